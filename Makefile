@@ -1,0 +1,44 @@
+# The two commands of the README quickstart: `make serve` and `make test`.
+# Each creates .venv when missing and reinstalls only when pyproject.toml changed.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+
+.PHONY: serve test bench lint format clean
+
+$(BIN)/python:
+	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "ds4jax needs Python >= 3.11"'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# Runtime only: serving needs no torch.
+$(VENV)/.runtime: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+# Runtime + test extras (torch==2.13.0 CPU, transformers, the anthropic SDK, ruff).
+$(VENV)/.test: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(VENV)/.runtime $@
+
+serve: $(VENV)/.runtime
+	$(BIN)/ds4jax serve --host $(HOST) --port $(PORT)
+
+test: $(VENV)/.test
+	$(BIN)/python -m pytest -q
+
+bench: $(VENV)/.test
+	$(BIN)/python -m bench
+
+lint: $(VENV)/.test
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(VENV)/.test
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

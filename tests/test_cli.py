@@ -1,0 +1,70 @@
+"""The `ds4jax` command line, run as a user runs it (a real subprocess)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from ds4jax.chat import specials as sp
+
+ITALIAN = "Rispondi in italiano con una frase: chi era Ada Lovelace?"
+
+
+def run(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [sys.executable, "-m", "ds4jax", *args], input=stdin, capture_output=True, timeout=120
+    )
+
+
+def write_request(tmp_path: Path, body: dict) -> Path:
+    path = tmp_path / "req.json"
+    path.write_text(json.dumps(body), encoding="utf-8")
+    return path
+
+
+def test_count_tokens_matches_the_official_api(tmp_path: Path) -> None:
+    body = {
+        "model": "deepseek-v4-flash",
+        "max_tokens": 16,
+        "thinking": {"type": "disabled"},
+        "messages": [{"role": "user", "content": ITALIAN}],
+    }
+    out = run("count-tokens", str(write_request(tmp_path, body)))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"input_tokens": 21}
+
+
+def test_render_prints_raw_bytes_without_trailing_newline(tmp_path: Path) -> None:
+    body = {"thinking": {"type": "disabled"}, "messages": [{"role": "user", "content": "héllo\n"}]}
+    out = run("render", "-", stdin=json.dumps(body).encode())
+    assert out.returncode == 0, out.stderr
+    expected = f"{sp.BOS}{sp.USER}héllo\n{sp.ASSISTANT}{sp.THINK_END}"
+    assert out.stdout == expected.encode("utf-8")
+
+
+def test_render_reports_bad_requests_in_anthropic_shape(tmp_path: Path) -> None:
+    out = run("render", "-", stdin=b'{"messages": "nope"}')
+    assert out.returncode == 1
+    err = json.loads(out.stderr)
+    assert err["type"] == "error" and "messages" in err["error"]["message"]
+    out = run("render", "-", stdin=b"{not json")
+    assert out.returncode == 1 and b"not valid JSON" in out.stderr
+    out = run("render", str(tmp_path / "missing.json"))
+    assert out.returncode == 1 and b"missing.json" in out.stderr
+
+
+def test_tokenize_prints_one_json_line_per_token() -> None:
+    out = run("tokenize", "--text", "Hi <｜User｜>")
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.decode().splitlines()]
+    assert lines[0] == {"id": 23166, "piece": "Hi"}
+    assert all(set(r) == {"id", "piece"} for r in lines)
+    assert 128803 not in [r["id"] for r in lines]  # typed text is never a special token
+
+
+def test_serve_is_not_built_yet_and_says_so() -> None:
+    out = run("serve")
+    assert out.returncode != 0
+    assert b"not built yet" in out.stderr
