@@ -68,3 +68,39 @@ def test_serve_is_not_built_yet_and_says_so() -> None:
     out = run("serve")
     assert out.returncode != 0
     assert b"not built yet" in out.stderr
+
+
+def test_tokenizer_train_then_tokenize_with_it(tmp_path: Path) -> None:
+    words = ["alpha", "beta", "gamma", "delta", "def", "return", "{", "}", "é", "世界"]
+    lines = [" ".join(words[(i * 7 + j) % len(words)] for j in range(10)) for i in range(3000)]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(lines), encoding="utf-8")
+    out = run(
+        "tokenizer",
+        "train",
+        "--input",
+        str(corpus),
+        "--vocab-size",
+        "360",
+        "--out",
+        str(tmp_path / "spm" / "tiny"),
+    )
+    assert out.returncode == 0, out.stderr
+    model = Path(out.stdout.decode().strip())
+    assert model.is_file()
+    text = "alpha <｜User｜> beta"
+    out = run("tokenize", "--tokenizer", str(model), "--text", text)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.decode().splitlines()]
+    assert rows and all(r["id"] >= 0 for r in rows)
+    out = run(
+        "tokenizer",
+        "train",
+        "--input",
+        str(corpus),
+        "--vocab-size",
+        "5",
+        "--out",
+        str(tmp_path / "bad"),
+    )
+    assert out.returncode == 1 and b"too small" in out.stderr

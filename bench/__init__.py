@@ -1,0 +1,1 @@
+"""Benchmarks (`make bench`). Timings live here, never in test assertions."""
