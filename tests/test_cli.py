@@ -81,7 +81,7 @@ def test_tokenizer_train_then_tokenize_with_it(tmp_path: Path) -> None:
         "--input",
         str(corpus),
         "--vocab-size",
-        "360",
+        "320",
         "--out",
         str(tmp_path / "spm" / "tiny"),
     )
