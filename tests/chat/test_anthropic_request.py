@@ -119,3 +119,38 @@ def test_arbitrary_json_is_accepted_or_rejected_cleanly(body: dict) -> None:
         parse_messages_request(body)
     except RequestError:
         pass
+
+
+blocks = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image", "document"])},
+    optional={
+        "text": json_values,
+        "id": json_values,
+        "name": json_values,
+        "input": json_values,
+        "tool_use_id": json_values,
+        "content": json_values | st.lists(st.fixed_dictionaries({"type": st.just("text")})),
+        "thinking": json_values,
+        "is_error": st.booleans(),
+        "source": json_values,
+    },
+)
+messages = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "system", "ctx", "tool"])},
+        optional={"content": st.text(max_size=5) | st.lists(blocks, max_size=3) | json_values},
+    ),
+    max_size=4,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(messages)
+def test_arbitrary_message_structures_render_or_are_rejected_cleanly(msgs: list) -> None:
+    from ds4jax.chat.render import render_text
+
+    try:
+        req = parse_messages_request({"messages": msgs})
+    except RequestError:
+        return
+    assert render_text(req.conversation).startswith("<｜begin▁of▁sentence｜>")

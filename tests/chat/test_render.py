@@ -367,3 +367,18 @@ def test_special_strings_in_client_text_stay_plain_text(tok: V4Tokenizer) -> Non
     special_ids = {tok.special_id(s) for s in sp.TEMPLATE_SPECIALS}
     assert [i for i in ids if i in special_ids] == specials_expected
     assert tok.decode(ids) == "".join(s.text for s in segs)
+
+
+def test_history_calls_without_declared_tools_still_drop_reasoning() -> None:
+    # The official rule keys reasoning retention on declared tools only; ds4 also keeps it
+    # when the history merely has calls. We follow the official encoder.
+    conv = Conversation(
+        [
+            Message("user", blocks=[UserBlock("text", "q1")]),
+            Message("assistant", reasoning="why", tool_calls=[ToolCall("ls", {}, id="t")]),
+            Message("user", blocks=[UserBlock("tool_result", "/x", "t")]),
+        ]
+    )
+    out = render_text(conv)
+    assert "why" not in out
+    assert out.endswith(f"{U}<tool_result>/x</tool_result>{A}{TS}")
