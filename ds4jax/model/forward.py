@@ -1,0 +1,120 @@
+"""The model's only jitted entry points: `forward_chunk`, and `prefill` / `decode_step`
+built on it.
+
+`forward_chunk` evaluates a chunk of a static size (padded; `n_valid` real tokens) on top
+of a state and returns a new state; the input state is untouched, so a retained state can
+be continued any number of times. Prefill splits a prompt into chunks from the fixed set
+`CHUNK_SIZES`, so a new prompt length never compiles a new program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ds4jax.config import Config
+from ds4jax.model.layers import attention, hc_head, hc_post, hc_pre, linear, moe, rmsw
+from ds4jax.model.params import Params
+from ds4jax.model.state import DecodeState
+
+CHUNK_SIZES: tuple[int, ...] = (16, 64, 256, 512)
+
+
+@partial(jax.jit, static_argnames=("cfg", "all_logits"))
+def forward_chunk(
+    params: Params,
+    state: DecodeState,
+    tokens: jax.Array,
+    n_valid: jax.Array,
+    *,
+    cfg: Config,
+    all_logits: bool = False,
+) -> tuple[DecodeState, jax.Array]:
+    """Evaluate `tokens[:n_valid]` at positions state.pos…; returns (new state, logits):
+    logits [T, vocab] for every chunk position when `all_logits`, else the next-token
+    logits [vocab] (also stored in the state)."""
+    T = tokens.shape[0]
+    n = state.pos
+    n_valid = jnp.asarray(n_valid, jnp.int32)
+    positions = n + jnp.arange(T, dtype=jnp.int32)
+    x = params["embed"][tokens].astype(jnp.float32)
+    X = jnp.broadcast_to(x[:, None, :], (T, cfg.hc_mult, cfg.hidden_size))
+    layers = []
+    for i, (lp, ls) in enumerate(zip(params["layers"], state.layers, strict=True)):
+        y, post, comb = hc_pre(cfg, X, lp["hc_attn_fn"], lp["hc_attn_scale"], lp["hc_attn_base"])
+        a, ls = attention(
+            cfg, i, lp["attn"], ls, rmsw(y, lp["attn_norm"], cfg.rms_eps), positions, n, n_valid
+        )
+        X = hc_post(a, X, post, comb)
+        y, post, comb = hc_pre(cfg, X, lp["hc_ffn_fn"], lp["hc_ffn_scale"], lp["hc_ffn_base"])
+        f = moe(cfg, lp["ffn"], rmsw(y, lp["ffn_norm"], cfg.rms_eps), tokens, cfg.hash_layers[i])
+        X = hc_post(f, X, post, comb)
+        layers.append(ls)
+
+    def head(Xs: jax.Array) -> jax.Array:
+        return linear(rmsw(hc_head(cfg, Xs, params), params["norm"], cfg.rms_eps), params["head"])
+
+    if all_logits:
+        logits = head(X)
+        last = jnp.take(logits, n_valid - 1, axis=0)
+    else:
+        last = head(jax.lax.dynamic_slice_in_dim(X, n_valid - 1, 1))[0]
+        logits = last
+    new = DecodeState(layers=tuple(layers), pos=n + n_valid, logits=last.astype(jnp.float32))
+    return new, logits
+
+
+def plan_chunks(n: int, sizes: Sequence[int] = CHUNK_SIZES) -> list[tuple[int, int]]:
+    """[(chunk size, valid tokens)]: full chunks of the largest size, then the smallest size
+    that holds the rest (padded)."""
+    sizes = sorted(sizes)
+    out: list[tuple[int, int]] = []
+    while n >= sizes[-1]:
+        out.append((sizes[-1], sizes[-1]))
+        n -= sizes[-1]
+    if n:
+        out.append((next(s for s in sizes if s >= n), n))
+    return out
+
+
+def prefill(
+    params: Params,
+    state: DecodeState,
+    tokens: Sequence[int] | np.ndarray,
+    cfg: Config,
+    *,
+    chunk_sizes: Sequence[int] = CHUNK_SIZES,
+    all_logits: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[DecodeState, jax.Array]:
+    """Evaluate `tokens` after `state`; returns (state, logits) with logits [N, vocab] when
+    `all_logits`, else the next-token logits. `progress(done, total)` after each chunk."""
+    toks = np.asarray(tokens, dtype=np.int32)
+    if toks.size == 0:
+        raise ValueError("prefill needs at least one token")
+    outs = []
+    done = 0
+    for size, valid in plan_chunks(len(toks), chunk_sizes):
+        chunk = np.zeros(size, np.int32)
+        chunk[:valid] = toks[done : done + valid]
+        state, logits = forward_chunk(
+            params, state, jnp.asarray(chunk), valid, cfg=cfg, all_logits=all_logits
+        )
+        if all_logits:
+            outs.append(logits[:valid])
+        done += valid
+        if progress is not None:
+            progress(done, len(toks))
+    return state, (jnp.concatenate(outs) if all_logits else state.logits)
+
+
+def decode_step(
+    params: Params, state: DecodeState, token: int | jax.Array, cfg: Config
+) -> DecodeState:
+    """Evaluate one token; the new state's `logits` are the next distribution."""
+    state, _ = forward_chunk(params, state, jnp.asarray([token], jnp.int32).reshape(1), 1, cfg=cfg)
+    return state

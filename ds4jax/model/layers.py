@@ -1,0 +1,305 @@
+"""DeepSeek V4 building blocks as pure functions over one chunk of T tokens (spec §2).
+
+Every function takes the chunk's absolute positions and its valid length, so the same code
+serves a padded prefill chunk and a one-token decode step: a decode step *is* a chunk of
+one. Weights are stored `[out, in]` as in the checkpoints. All math is float32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ds4jax.config import Config
+from ds4jax.model import quant_sim
+from ds4jax.model.rope import apply_rope, inv_freqs
+from ds4jax.model.state import LayerState
+
+Params = dict[str, Any]
+NEG_INF = -jnp.inf
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.einsum("...i,oi->...o", x, w)
+
+
+def rms(x: jax.Array, eps: float) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+
+
+def rmsw(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    return rms(x, eps) * w
+
+
+# ---------------------------------------------------------------- hyper-connections §2.4
+
+
+def hc_pre(
+    cfg: Config, X: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """X: [T, hc, D] → (sublayer input y [T, D], post [T, hc], comb C [T, hc, hc])."""
+    T, hc, D = X.shape
+    m = linear(rms(X.reshape(T, hc * D), cfg.rms_eps), fn)
+    pre = jax.nn.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + cfg.hc_eps
+    post = 2.0 * jax.nn.sigmoid(m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    comb = (m[:, 2 * hc :] * scale[2] + base[2 * hc :]).reshape(T, hc, hc)
+    comb = jax.nn.softmax(comb, axis=-1) + cfg.hc_eps
+    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + cfg.hc_eps)
+    for _ in range(cfg.hc_sinkhorn_iters - 1):
+        comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + cfg.hc_eps)
+        comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + cfg.hc_eps)
+    y = jnp.einsum("th,thd->td", pre, X)
+    return y, post, comb
+
+
+def hc_post(f: jax.Array, X: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+    """X'[b] = post_b·f + Σ_a C[a, b]·X[a]."""
+    return post[:, :, None] * f[:, None, :] + jnp.einsum("tab,tad->tbd", comb, X)
+
+
+def hc_head(cfg: Config, X: jax.Array, p: Params) -> jax.Array:
+    T, hc, D = X.shape
+    m = linear(rms(X.reshape(T, hc * D), cfg.rms_eps), p["hc_head_fn"])
+    w = jax.nn.sigmoid(m * p["hc_head_scale"][0] + p["hc_head_base"]) + cfg.hc_eps
+    return jnp.einsum("th,thd->td", w, X)
+
+
+# ---------------------------------------------------------------- compressor §2.5.3
+
+
+def _pool(kv: jax.Array, score: jax.Array) -> jax.Array:
+    """Softmax over axis 1 of `score`, weighted sum of `kv`; an all −∞ column pools to 0."""
+    m = jnp.max(score, axis=1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(score - m)
+    s = jnp.sum(e, axis=1)
+    return jnp.sum(e * kv, axis=1) / jnp.where(s > 0, s, 1.0)
+
+
+def compress(
+    kv_new: jax.Array,
+    score_new: jax.Array,
+    st_kv: jax.Array,
+    st_score: jax.Array,
+    rows: jax.Array,
+    n: jax.Array,
+    n_valid: jax.Array,
+    *,
+    ratio: int,
+    lanes: int,
+    dim: int,
+    finish: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Feed a chunk into a compressor; emit its completed windows into `rows`.
+
+    kv_new, score_new: [T, lanes·dim] (score with ape). st_*: the canonical frontier
+    [lanes·ratio, lanes·dim]. `finish(pooled, window_start_positions)` turns pooled rows
+    into stored rows (norm, RoPE, quantization simulation). Returns (rows, st_kv, st_score).
+
+    The frontier and the chunk are laid out in one buffer whose row i is position
+    start + i, start = ratio·⌊n/ratio⌋ − (lanes−1)·ratio, so windows are buffer-aligned.
+    With two lanes (CSA, overlapping windows) the row of window k pools lane 0 of window
+    k−1 with lane 1 of window k.
+    """
+    T = kv_new.shape[0]
+    r, c = ratio, lanes
+    n_win = c + -(-T // r)
+    start = r * (n // r) - (c - 1) * r
+    buf_kv = jnp.zeros((n_win * r, c * dim), kv_new.dtype).at[: c * r].set(st_kv)
+    buf_sc = jnp.full((n_win * r, c * dim), NEG_INF, kv_new.dtype).at[: c * r].set(st_score)
+    buf_kv = jax.lax.dynamic_update_slice(buf_kv, kv_new, (n - start, 0))
+    buf_sc = jax.lax.dynamic_update_slice(buf_sc, score_new, (n - start, 0))
+
+    win_kv = buf_kv.reshape(n_win, r, c * dim)
+    win_sc = buf_sc.reshape(n_win, r, c * dim)
+    if c == 1:
+        cand_kv, cand_sc = win_kv, win_sc
+    else:
+        prev_kv = jnp.concatenate([jnp.zeros_like(win_kv[:1, :, :dim]), win_kv[:-1, :, :dim]])
+        prev_sc = jnp.concatenate(
+            [jnp.full_like(win_sc[:1, :, :dim], NEG_INF), win_sc[:-1, :, :dim]]
+        )
+        cand_kv = jnp.concatenate([prev_kv, win_kv[:, :, dim:]], axis=1)
+        cand_sc = jnp.concatenate([prev_sc, win_sc[:, :, dim:]], axis=1)
+    pooled = _pool(cand_kv[c - 1 :], cand_sc[c - 1 :])  # windows not yet emitted
+    first = n // r
+    j = jnp.arange(pooled.shape[0])
+    new_rows = finish(pooled, (first + j) * r)
+    complete = (first + j + 1) * r <= n + n_valid
+    cap = rows.shape[0]
+    rows = rows.at[jnp.where(complete, first + j, cap)].set(new_rows, mode="drop")
+
+    n2 = n + n_valid
+    start2 = r * (n2 // r) - (c - 1) * r
+    st_kv = jax.lax.dynamic_slice(buf_kv, (start2 - start, 0), (c * r, c * dim))
+    st_score = jax.lax.dynamic_slice(buf_sc, (start2 - start, 0), (c * r, c * dim))
+    fpos = start2 + jnp.arange(c * r)
+    live = ((fpos >= 0) & (fpos < n2))[:, None]
+    return rows, jnp.where(live, st_kv, 0.0), jnp.where(live, st_score, NEG_INF)
+
+
+# ---------------------------------------------------------------- attention §2.5
+
+
+def _finish_rows(cfg: Config, norm: jax.Array, freqs: np.ndarray, quant: Any):
+    def finish(pooled: jax.Array, positions: jax.Array) -> jax.Array:
+        row = apply_rope(rmsw(pooled, norm, cfg.rms_eps), positions, freqs)
+        return quant(row) if cfg.quant_sim else row
+
+    return finish
+
+
+def _kv_fp8(cfg: Config, x: jax.Array) -> jax.Array:
+    """fp8sim on the non-RoPE channels only."""
+    nope = cfg.head_dim - cfg.rope_dim
+    if not cfg.quant_sim or nope == 0:
+        return x
+    return jnp.concatenate([quant_sim.fp8sim(x[..., :nope]), x[..., nope:]], axis=-1)
+
+
+def attention(
+    cfg: Config,
+    layer: int,
+    p: Params,
+    ls: LayerState,
+    x: jax.Array,
+    positions: jax.Array,
+    n: jax.Array,
+    n_valid: jax.Array,
+) -> tuple[jax.Array, LayerState]:
+    T = x.shape[0]
+    H, hd, W = cfg.num_heads, cfg.head_dim, ls.raw.shape[0]
+    kind = cfg.layer_kind(layer)
+    freqs = inv_freqs(cfg, compressed=kind != "sliding")
+    valid = jnp.arange(T) < n_valid
+
+    qr = rmsw(linear(x, p["wq_a"]), p["q_norm"], cfg.rms_eps)
+    q = rms(linear(qr, p["wq_b"]).reshape(T, H, hd), cfg.rms_eps)
+    q = apply_rope(q, positions, freqs)
+    kv = apply_rope(rmsw(linear(x, p["wkv"]), p["kv_norm"], cfg.rms_eps), positions, freqs)
+    kv = _kv_fp8(cfg, kv)
+
+    # raw window: ring keys (positions < n) then the chunk's own keys
+    slots = jnp.arange(W)
+    ring_pos = (n - 1) - jnp.mod(n - 1 - slots, W)
+    keys = jnp.concatenate([ls.raw, kv])
+    key_pos = jnp.concatenate([ring_pos, positions])
+    key_ok = jnp.concatenate([ring_pos >= 0, valid])
+    qp = positions[:, None]
+    raw_mask = key_ok[None, :] & (key_pos[None, :] <= qp) & (key_pos[None, :] > qp - W)
+    scale = 1.0 / math.sqrt(hd)
+    s_raw = jnp.einsum("thd,kd->thk", q, keys) * scale
+    s_raw = jnp.where(raw_mask[:, None, :], s_raw, NEG_INF)
+
+    j = jnp.arange(T)
+    write = valid & (j >= n_valid - W)
+    raw = ls.raw.at[jnp.where(write, jnp.mod(n + j, W), W)].set(kv, mode="drop")
+    new = LayerState(raw)
+
+    parts_s, parts_v = [s_raw], [None]
+    if kind != "sliding":
+        r, c = cfg.compress_ratios[layer], (2 if kind == "csa" else 1)
+        cp = p["compressor"]
+        ckv = linear(x, cp["wkv"])
+        csc = linear(x, cp["wgate"]) + cp["ape"][jnp.mod(positions, r)]
+        comp, st_kv, st_sc = compress(
+            ckv, csc, ls.comp_kv, ls.comp_score, ls.comp, n, n_valid,
+            ratio=r, lanes=c, dim=hd,
+            finish=_finish_rows(cfg, cp["norm"], freqs, lambda v: _kv_fp8(cfg, v)),
+        )  # fmt: skip
+        new.comp, new.comp_kv, new.comp_score = comp, st_kv, st_sc
+        visible = jnp.arange(comp.shape[0])[None, :] < (qp + 1) // r  # [T, cap]
+        if kind == "hca":
+            s_c = jnp.einsum("thd,cd->thc", q, comp) * scale
+            parts_s.append(jnp.where(visible[:, None, :], s_c, NEG_INF))
+            parts_v.append(comp)
+        else:
+            ip = p["indexer"]
+            icp = ip["compressor"]
+            ihd = cfg.index_head_dim
+            idx, ist_kv, ist_sc = compress(
+                linear(x, icp["wkv"]),
+                linear(x, icp["wgate"]) + icp["ape"][jnp.mod(positions, r)],
+                ls.idx_kv, ls.idx_score, ls.idx, n, n_valid,
+                ratio=r, lanes=2, dim=ihd,
+                finish=_finish_rows(cfg, icp["norm"], freqs, quant_sim.idxq),
+            )  # fmt: skip
+            new.idx, new.idx_kv, new.idx_score = idx, ist_kv, ist_sc
+            iq = apply_rope(
+                linear(qr, ip["wq_b"]).reshape(T, cfg.index_heads, ihd), positions, freqs
+            )
+            if cfg.quant_sim:
+                iq = quant_sim.idxq(iq)
+            w = linear(x, ip["weights_proj"]) * (cfg.index_heads**-0.5)
+            isc = jax.nn.relu(jnp.einsum("thd,cd->thc", iq, idx)) * (ihd**-0.5)
+            isc = jnp.where(visible, jnp.einsum("th,thc->tc", w, isc), NEG_INF)
+            k = min(cfg.index_topk, idx.shape[0])
+            top_v, top_i = jax.lax.top_k(isc, k)
+            sel = comp[top_i]  # [T, k, hd]
+            s_c = jnp.einsum("thd,tkd->thk", q, sel) * scale
+            parts_s.append(jnp.where(jnp.isfinite(top_v)[:, None, :], s_c, NEG_INF))
+            parts_v.append(sel)
+
+    sink = p["attn_sink"][None, :]  # [1, H]
+    m = jnp.maximum(jnp.max(jnp.concatenate(parts_s, axis=-1), axis=-1), sink)  # [T, H]
+    denom = jnp.exp(sink - m)
+    o = jnp.zeros((T, H, hd), x.dtype)
+    for s, v in zip(parts_s, parts_v, strict=True):
+        e = jnp.exp(s - m[..., None])
+        denom = denom + jnp.sum(e, axis=-1)
+        if v is None:
+            o = o + jnp.einsum("thk,kd->thd", e, keys)
+        elif v.ndim == 2:
+            o = o + jnp.einsum("thk,kd->thd", e, v)
+        else:
+            o = o + jnp.einsum("thk,tkd->thd", e, v)
+    o = apply_rope(o / denom[..., None], positions, freqs, inverse=True)
+
+    G = cfg.o_groups
+    grouped = o.reshape(T, G, (H // G) * hd)
+    wo_a = p["wo_a"].reshape(G, cfg.o_lora_rank, (H // G) * hd)
+    low = jnp.einsum("tgi,goi->tgo", grouped, wo_a).reshape(T, G * cfg.o_lora_rank)
+    return linear(low, p["wo_b"]), new
+
+
+# ---------------------------------------------------------------- MoE §2.6
+
+
+def _swiglu(cfg: Config, g: jax.Array, u: jax.Array) -> jax.Array:
+    lim = cfg.swiglu_limit
+    return jax.nn.silu(jnp.minimum(g, lim)) * jnp.clip(u, -lim, lim)
+
+
+def moe(cfg: Config, p: Params, x: jax.Array, tokens: jax.Array, hashed: bool) -> jax.Array:
+    T = x.shape[0]
+    k, E = cfg.num_experts_per_tok, cfg.num_experts
+    prob = jnp.sqrt(jax.nn.softplus(linear(x, p["gate"])))  # [T, E]
+    if hashed:
+        sel = p["tid2eid"][tokens]
+    else:
+        _, sel = jax.lax.top_k(prob + p["gate_bias"], k)
+    w = jnp.take_along_axis(prob, sel, axis=-1)
+    w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
+    if T * k <= E:  # few tokens (decode): read only the selected experts
+        h = _swiglu(
+            cfg,
+            jnp.einsum("td,tkfd->tkf", x, p["w1"][sel]),
+            jnp.einsum("td,tkfd->tkf", x, p["w3"][sel]),
+        )
+        routed = jnp.einsum("tkf,tkdf->td", h * w[..., None], p["w2"][sel])
+    else:  # many tokens (prefill): every expert over every token, weights 0 when unrouted
+        dense_w = jnp.zeros((T, E), x.dtype).at[jnp.arange(T)[:, None], sel].add(w)
+        h = _swiglu(
+            cfg, jnp.einsum("td,efd->tef", x, p["w1"]), jnp.einsum("td,efd->tef", x, p["w3"])
+        )
+        routed = jnp.einsum("tef,edf->td", h * dense_w[..., None], p["w2"])
+    out = routed
+    if cfg.num_shared_experts:
+        out = out + linear(
+            _swiglu(cfg, linear(x, p["shared_w1"]), linear(x, p["shared_w3"])), p["shared_w2"]
+        )
+    return out

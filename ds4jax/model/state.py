@@ -1,0 +1,118 @@
+"""The decode state: everything the model needs to continue from position `pos`.
+
+A live frontier is this pytree plus its token ids; nothing else is hidden anywhere. Per
+layer it holds exactly what spec §3.1 lists: the raw sliding-window ring, the compressed
+rows (capacity from the maximum context), the compressor frontier (kv and score), and for
+CSA layers the indexer rows and the indexer frontier. Shapes are static, so one compiled
+forward serves every length.
+
+The frontier is kept canonical after every call (spec §3.3): for ratio r with overlap
+factor c (2 for CSA, 1 for HCA) row i holds the token at position r·⌊n/r⌋ − (c−1)·r + i;
+rows at positions < 0 or ≥ n are (0, −∞). Prefill and decode therefore leave identical
+states, and two states of the same tokens compare equal leaf by leaf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ds4jax.config import Config
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class LayerState:
+    raw: jax.Array  # [W, head_dim] ring, slot = position mod W
+    comp: jax.Array | None = None  # [capacity, head_dim]
+    comp_kv: jax.Array | None = None  # [c·r, c·head_dim]
+    comp_score: jax.Array | None = None  # [c·r, c·head_dim], ape included
+    idx: jax.Array | None = None  # [capacity, index_head_dim]
+    idx_kv: jax.Array | None = None  # [2·r, 2·index_head_dim]
+    idx_score: jax.Array | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class DecodeState:
+    layers: tuple[LayerState, ...]
+    pos: jax.Array  # int32 scalar: tokens evaluated so far (= next position)
+    logits: jax.Array  # [vocab] float32: the distribution for the next token
+
+    @property
+    def num_tokens(self) -> jax.Array:
+        return self.pos
+
+
+def window(cfg: Config, max_len: int) -> int:
+    return min(cfg.sliding_window, max_len)
+
+
+def overlap(cfg: Config, layer: int) -> int:
+    return 2 if cfg.layer_kind(layer) == "csa" else 1
+
+
+def capacity(cfg: Config, layer: int, max_len: int) -> int:
+    r = cfg.compress_ratios[layer]
+    return max_len // r + 1
+
+
+def init_state(cfg: Config, max_len: int, dtype: jnp.dtype = jnp.float32) -> DecodeState:
+    """An empty state able to hold `max_len` tokens."""
+    layers = []
+    for i in range(cfg.num_layers):
+        raw = jnp.zeros((window(cfg, max_len), cfg.head_dim), dtype)
+        kind = cfg.layer_kind(i)
+        if kind == "sliding":
+            layers.append(LayerState(raw))
+            continue
+        r, c = cfg.compress_ratios[i], overlap(cfg, i)
+        cap = capacity(cfg, i, max_len)
+        ls = LayerState(
+            raw,
+            comp=jnp.zeros((cap, cfg.head_dim), dtype),
+            comp_kv=jnp.zeros((c * r, c * cfg.head_dim), dtype),
+            comp_score=jnp.full((c * r, c * cfg.head_dim), -jnp.inf, dtype),
+        )
+        if kind == "csa":
+            ls.idx = jnp.zeros((cap, cfg.index_head_dim), dtype)
+            ls.idx_kv = jnp.zeros((2 * r, 2 * cfg.index_head_dim), dtype)
+            ls.idx_score = jnp.full((2 * r, 2 * cfg.index_head_dim), -jnp.inf, dtype)
+        layers.append(ls)
+    return DecodeState(
+        layers=tuple(layers),
+        pos=jnp.zeros((), jnp.int32),
+        logits=jnp.zeros((cfg.vocab_size,), jnp.float32),
+    )
+
+
+def state_bytes(cfg: Config, length: int, bytes_per_value: int = 4) -> int:
+    """Bytes of *live* state after `length` tokens (what a snapshot must carry), excluding
+    the token ids: raw rows, compressed and indexer rows, frontiers, next-token logits."""
+    n = length
+    total = cfg.vocab_size * 4
+    for i in range(cfg.num_layers):
+        total += min(n, cfg.sliding_window) * cfg.head_dim * bytes_per_value
+        kind = cfg.layer_kind(i)
+        if kind == "sliding":
+            continue
+        r, c = cfg.compress_ratios[i], overlap(cfg, i)
+        total += (n // r) * cfg.head_dim * bytes_per_value
+        total += 2 * (c * r) * (c * cfg.head_dim) * bytes_per_value
+        if kind == "csa":
+            total += (n // r) * cfg.index_head_dim * bytes_per_value
+            total += 2 * (2 * r) * (2 * cfg.index_head_dim) * bytes_per_value
+    return total
+
+
+def dense_kv_bytes(cfg: Config, length: int, bytes_per_value: int = 4) -> int:
+    """A dense per-token cache of the same width (one head_dim row per token per layer) —
+    the baseline `state_bytes` is compared with."""
+    return cfg.num_layers * length * cfg.head_dim * bytes_per_value + cfg.vocab_size * 4
+
+
+def allocated_bytes(state: DecodeState) -> int:
+    return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state)))
