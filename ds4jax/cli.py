@@ -60,6 +60,123 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(config, params, tokenizer) from --model DIR or --config NAME [--seed S]."""
+    import jax.numpy as jnp
+
+    from ds4jax.config import load_config
+    from ds4jax.model.checkpoint import load_any
+    from ds4jax.model.params import init_params
+
+    if args.model:
+        cfg, params = load_any(args.model, dtype=jnp.float32)
+        tok_dir = Path(args.model)
+        tokenizer = load_tokenizer(tok_dir if (tok_dir / "tokenizer.json").is_file() else None)
+    else:
+        cfg = load_config(args.config)
+        params = init_params(cfg, seed=args.seed)
+        tokenizer = load_tokenizer(None)
+    quant = getattr(args, "quant_sim", None)
+    if quant is not None:
+        cfg = cfg.replace(quant_sim=quant == "on")
+    return cfg, params, tokenizer
+
+
+def _prompt_ids(args: argparse.Namespace, cfg: Any, tokenizer: Any) -> list[int]:
+    if getattr(args, "tokens", None):
+        ids = [int(t) for t in Path(args.tokens).read_text().split()]
+    elif getattr(args, "chat", False):
+        from ds4jax.chat.anthropic import parse_messages_request
+
+        body = {
+            "thinking": {"type": "disabled"},
+            "messages": [{"role": "user", "content": args.prompt}],
+        }
+        ids = tokenizer.encode_segments(render(parse_messages_request(body).conversation))
+    else:
+        ids = [tokenizer.bos_id, *tokenizer.encode_text(args.prompt)]
+    if not ids:
+        raise ValueError("empty prompt")
+    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise ValueError(
+            f"token id {bad[0]} outside the model's vocabulary (0..{cfg.vocab_size - 1})"
+        )
+    return ids
+
+
+def _progress(done: int, total: int) -> None:
+    print(f"\rprefill {done}/{total} tokens", end="" if done < total else "\n", file=sys.stderr)
+
+
+def cmd_dump_logits(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from ds4jax.model.forward import CHUNK_SIZES, prefill
+    from ds4jax.model.state import init_state
+
+    cfg, params, tokenizer = _load_model(args)
+    ids = _prompt_ids(args, cfg, tokenizer)
+    sizes = (args.chunk,) if args.chunk else CHUNK_SIZES
+    state = init_state(cfg, len(ids) + 1)
+    _, logits = prefill(
+        params, state, ids, cfg, chunk_sizes=sizes, all_logits=True, progress=_progress
+    )
+    out = np.asarray(logits, dtype=np.float32)
+    np.save(args.out, out)
+    print(f"wrote {args.out}: float32 {out.shape}", file=sys.stderr)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import time
+
+    import jax
+
+    from ds4jax.chat.tokenizer import IncrementalDetokenizer
+    from ds4jax.model.forward import decode_step, prefill
+    from ds4jax.model.state import init_state
+    from ds4jax.sampling import sample
+
+    cfg, params, tokenizer = _load_model(args)
+    ids = _prompt_ids(args, cfg, tokenizer)
+    state = init_state(cfg, args.ctx or len(ids) + args.n + 1)
+    t0 = time.perf_counter()
+    state, _ = prefill(params, state, ids, cfg, progress=_progress)
+    state.logits.block_until_ready()
+    t1 = time.perf_counter()
+    key = jax.random.key(args.seed)
+    detok = IncrementalDetokenizer(tokenizer)
+    produced = 0
+    for _ in range(args.n):
+        key, sub = jax.random.split(key)
+        tok = int(sample(state.logits, sub, temperature=args.temperature))
+        produced += 1
+        if tok == tokenizer.eos_id:
+            break
+        sys.stdout.write(detok.push(tok))
+        sys.stdout.flush()
+        state = decode_step(params, state, tok, cfg)
+    sys.stdout.write(detok.flush() + "\n")
+    t2 = time.perf_counter()
+    print(
+        f"prefill {len(ids)} tokens {t1 - t0:.2f}s, generated {produced} tokens {t2 - t1:.2f}s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+
+    from ds4jax.model.checkpoint import convert
+
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    dst = convert(args.src, args.dst, dtype=dtype, force=args.force)
+    print(dst)
+    return 0
+
+
 def cmd_not_built(args: argparse.Namespace) -> int:
     print(
         f"ds4jax {args.command}: not built yet — this capability lands with a later issue "
@@ -112,11 +229,41 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--out", required=True, help="output prefix (writes PREFIX.model/.vocab)")
     tp.set_defaults(func=cmd_tokenizer_train)
 
+    def with_model(sp: argparse.ArgumentParser) -> None:
+        src = sp.add_mutually_exclusive_group(required=True)
+        src.add_argument("--model", help="checkpoint directory (Orbax, transformers or official)")
+        src.add_argument("--config", help="named config with random weights, e.g. tiny")
+        sp.add_argument("--seed", type=int, default=0, help="weights seed with --config")
+
+    sp = sub.add_parser("dump-logits", help="write float32 logits for every prompt position")
+    with_model(sp)
+    src = sp.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="text; encoded as BOS + plain text")
+    src.add_argument("--tokens", help="file of whitespace-separated token ids")
+    sp.add_argument("--out", required=True, help="output .npy, shape [tokens, vocab]")
+    sp.add_argument("--chunk", type=int, default=None, help="one prefill chunk size")
+    sp.add_argument("--quant-sim", choices=["on", "off"], default=None)
+    sp.set_defaults(func=cmd_dump_logits)
+
+    sp = sub.add_parser("generate", help="stream a continuation of a prompt")
+    with_model(sp)
+    sp.add_argument("-p", "--prompt", required=True)
+    sp.add_argument("-n", type=int, default=64, help="tokens to generate")
+    sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    sp.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn")
+    sp.add_argument("--ctx", type=int, default=None, help="state capacity (default: just enough)")
+    sp.add_argument("--quant-sim", choices=["on", "off"], default=None)
+    sp.set_defaults(func=cmd_generate)
+
+    sp = sub.add_parser("convert", help="checkpoint (transformers/official/Orbax) → Orbax")
+    sp.add_argument("src")
+    sp.add_argument("dst")
+    sp.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    sp.add_argument("--force", action="store_true", help="replace an existing params checkpoint")
+    sp.set_defaults(func=cmd_convert)
+
     for name, text in [
         ("serve", "serve /v1/messages (not built yet)"),
-        ("generate", "generate text (not built yet)"),
-        ("dump-logits", "write logits for a prompt (not built yet)"),
-        ("convert", "convert a checkpoint (not built yet)"),
     ]:
         sp = sub.add_parser(name, help=text)
         sp.add_argument("rest", nargs=argparse.REMAINDER)
@@ -131,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RequestError as err:
         print(json.dumps(err.body(), ensure_ascii=False), file=sys.stderr)
         return 1
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"ds4jax {args.command}: {err}", file=sys.stderr)
         return 1
 

@@ -286,7 +286,69 @@ def load_config(name_or_path: str | Path) -> Config:
         raise FileNotFoundError(f"no config {name_or_path!r} (named configs: {names})")
     d = json.loads(p.read_text(encoding="utf-8"))
     if d.get("model_type") == "deepseek_v4":
-        return from_hf_config(d)
+        # an FP8 release is DeepSeek's own graph: simulate its quantization by default
+        return from_hf_config(d, quant_sim="quantization_config" in d)
     if "n_layers" in d and "dim" in d:
         return from_official_config(d)
     return Config.from_dict(d)
+
+
+def to_hf_config(cfg: Config) -> dict[str, Any]:
+    """The transformers `deepseek_v4` config.json for `cfg` (inverse of `from_hf_config`):
+    used to build the transformers reference and to write checkpoints it can read."""
+    kind_to_type = {v: k for k, v in _LAYER_TYPE_TO_KIND.items()}
+    hca = sorted(
+        {r for r, k in zip(cfg.compress_ratios, cfg.attn_types, strict=True) if k == "hca"}
+    )
+    rope: dict[str, Any] = {"rope_type": "default"}
+    if cfg.yarn is not None:
+        rope = {
+            "rope_type": "yarn",
+            "factor": cfg.yarn.factor,
+            "original_max_position_embeddings": cfg.yarn.original_max_position,
+            "beta_fast": cfg.yarn.beta_fast,
+            "beta_slow": cfg.yarn.beta_slow,
+        }
+    if len(hca) > 1:
+        raise ValueError("transformers supports one HCA ratio per model")
+    return {
+        "model_type": "deepseek_v4",
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": 1,
+        "head_dim": cfg.head_dim,
+        "partial_rotary_factor": cfg.rope_dim / cfg.head_dim,
+        "q_lora_rank": cfg.q_lora_rank,
+        "o_groups": cfg.o_groups,
+        "o_lora_rank": cfg.o_lora_rank,
+        "n_routed_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "n_shared_experts": cfg.num_shared_experts,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "routed_scaling_factor": cfg.routed_scaling_factor,
+        "swiglu_limit": cfg.swiglu_limit,
+        "rms_norm_eps": cfg.rms_eps,
+        "hc_mult": cfg.hc_mult,
+        "hc_sinkhorn_iters": cfg.hc_sinkhorn_iters,
+        "hc_eps": cfg.hc_eps,
+        "sliding_window": cfg.sliding_window,
+        "layer_types": [kind_to_type[k] for k in cfg.attn_types],
+        "compress_rates": {
+            "compressed_sparse_attention": cfg.csa_ratio,
+            "heavily_compressed_attention": hca[0] if hca else 128,
+        },
+        "mlp_layer_types": ["hash_moe" if h else "moe" for h in cfg.hash_layers],
+        "index_n_heads": cfg.index_heads,
+        "index_head_dim": cfg.index_head_dim,
+        "index_topk": cfg.index_topk,
+        "rope_theta": cfg.rope_theta,
+        "compress_rope_theta": cfg.compress_rope_theta,
+        "rope_parameters": rope,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "tie_word_embeddings": False,
+    }

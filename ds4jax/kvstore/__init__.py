@@ -1,1 +1,2 @@
-"""Disk checkpoints of decode states, keyed by rendered-text prefix (lands with the disk-checkpoint issue)."""
+"""Disk checkpoints of decode states, keyed by rendered-text prefix (lands with the
+disk-checkpoint issue)."""

@@ -1,1 +1,1 @@
-"""DeepSeek V4 in functional JAX: config, params, decode state, forward (lands with the model issue)."""
+"""DeepSeek V4 in functional JAX: params, decode state, forward, loading, sharding."""

@@ -49,9 +49,14 @@ def hc_pre(
     comb = (m[:, 2 * hc :] * scale[2] + base[2 * hc :]).reshape(T, hc, hc)
     comb = jax.nn.softmax(comb, axis=-1) + cfg.hc_eps
     comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + cfg.hc_eps)
-    for _ in range(cfg.hc_sinkhorn_iters - 1):
-        comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + cfg.hc_eps)
-        comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + cfg.hc_eps)
+
+    def sinkhorn_step(_: int, c: jax.Array) -> jax.Array:
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + cfg.hc_eps)
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + cfg.hc_eps)
+
+    # a loop, not an unrolled Python for: 20 unrolled iterations × 2 sites × layers
+    # doubled XLA compile time for identical numerics
+    comb = jax.lax.fori_loop(0, cfg.hc_sinkhorn_iters - 1, sinkhorn_step, comb)
     y = jnp.einsum("th,thd->td", pre, X)
     return y, post, comb
 
@@ -161,6 +166,13 @@ def _kv_fp8(cfg: Config, x: jax.Array) -> jax.Array:
     return jnp.concatenate([quant_sim.fp8sim(x[..., :nope]), x[..., nope:]], axis=-1)
 
 
+def _gather_selected(cfg: Config, rows: int, k: int) -> bool:
+    """Attend to the indexer's picks by gathering them per query ([T, k, hd]) or by masking
+    all rows ([T, H, rows] scores). Same math; masking is cheaper while the row count is
+    within a few multiples of k·head_dim/heads, gathering wins at long contexts."""
+    return rows * cfg.num_heads > 4 * k * cfg.head_dim
+
+
 def attention(
     cfg: Config,
     layer: int,
@@ -239,10 +251,17 @@ def attention(
             isc = jnp.where(visible, jnp.einsum("th,thc->tc", w, isc), NEG_INF)
             k = min(cfg.index_topk, idx.shape[0])
             top_v, top_i = jax.lax.top_k(isc, k)
-            sel = comp[top_i]  # [T, k, hd]
-            s_c = jnp.einsum("thd,tkd->thk", q, sel) * scale
-            parts_s.append(jnp.where(jnp.isfinite(top_v)[:, None, :], s_c, NEG_INF))
-            parts_v.append(sel)
+            chosen = jnp.isfinite(top_v)
+            if _gather_selected(cfg, idx.shape[0], k):
+                sel = comp[top_i]  # [T, k, hd]
+                s_c = jnp.einsum("thd,tkd->thk", q, sel) * scale
+                parts_s.append(jnp.where(chosen[:, None, :], s_c, NEG_INF))
+                parts_v.append(sel)
+            else:
+                mask = jnp.zeros(isc.shape, bool).at[jnp.arange(T)[:, None], top_i].set(chosen)
+                s_c = jnp.einsum("thd,cd->thc", q, comp) * scale
+                parts_s.append(jnp.where(mask[:, None, :], s_c, NEG_INF))
+                parts_v.append(comp)
 
     sink = p["attn_sink"][None, :]  # [1, H]
     m = jnp.maximum(jnp.max(jnp.concatenate(parts_s, axis=-1), axis=-1), sink)  # [T, H]
@@ -291,12 +310,17 @@ def moe(cfg: Config, p: Params, x: jax.Array, tokens: jax.Array, hashed: bool) -
             jnp.einsum("td,tkfd->tkf", x, p["w3"][sel]),
         )
         routed = jnp.einsum("tkf,tkdf->td", h * w[..., None], p["w2"][sel])
-    else:  # many tokens (prefill): every expert over every token, weights 0 when unrouted
+    else:
+        # Many tokens (prefill): every expert over every token as three plain GEMMs, with
+        # weight 0 where a token is not routed. On XLA:CPU this beats sorting tokens into
+        # per-expert blocks (gathers and small batched GEMMs cost more than the E/k
+        # extra FLOPs at these sizes; measured in bench/moe notes).
+        F = cfg.moe_intermediate_size
         dense_w = jnp.zeros((T, E), x.dtype).at[jnp.arange(T)[:, None], sel].add(w)
-        h = _swiglu(
-            cfg, jnp.einsum("td,efd->tef", x, p["w1"]), jnp.einsum("td,efd->tef", x, p["w3"])
-        )
-        routed = jnp.einsum("tef,edf->td", h * dense_w[..., None], p["w2"])
+        g = linear(x, p["w1"].reshape(E * F, -1)).reshape(T, E, F)
+        u = linear(x, p["w3"].reshape(E * F, -1)).reshape(T, E, F)
+        h = (_swiglu(cfg, g, u) * dense_w[..., None]).reshape(T, E * F)
+        routed = h @ jnp.transpose(p["w2"], (0, 2, 1)).reshape(E * F, -1)
     out = routed
     if cfg.num_shared_experts:
         out = out + linear(

@@ -1,0 +1,179 @@
+"""Orbax checkpoints of the parameter pytree, and `convert` from any supported layout.
+
+A params checkpoint is one Orbax composite directory with two items:
+
+* `params`: the pytree (`StandardSave`), in the dtype it was saved with;
+* `meta`: JSON `{"format": "ds4jax-params", "version", "config": cfg.to_dict(), "dtype"}`,
+  so a checkpoint is self-describing and restores without any other file.
+
+Restoring builds the abstract tree from `param_shapes(cfg)` with the requested shardings, so
+Orbax reads each shard straight onto its devices (resharding on load) instead of
+materializing full arrays on one device first. Orbax writes to a temporary directory and
+renames on commit, so an interrupted save never looks like a checkpoint.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from ds4jax.config import Config
+from ds4jax.model.loading import CheckpointError, load_hf_checkpoint
+from ds4jax.model.official import is_official_layout, load_official_checkpoint
+from ds4jax.model.params import Params, param_shapes
+
+FORMAT = "ds4jax-params"
+VERSION = 1
+
+
+def _checkpointer() -> ocp.Checkpointer:
+    """A synchronous checkpointer: `save` returns only after the checkpoint is committed."""
+    return ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+
+
+def is_params_checkpoint(directory: str | Path) -> bool:
+    """Whether `directory` is a committed ds4jax params checkpoint (reads the metadata)."""
+    return _try_metadata(Path(directory).absolute()) is not None
+
+
+def _try_metadata(directory: Path) -> dict[str, Any] | None:
+    if not ((directory / "meta").is_dir() and (directory / "params").is_dir()):
+        return None
+    try:
+        with _checkpointer() as ckptr:
+            meta = ckptr.restore(directory, ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        meta = meta["meta"]
+    except Exception:  # any failure means "not a readable params checkpoint"
+        return None
+    return dict(meta) if isinstance(meta, dict) and meta.get("format") == FORMAT else None
+
+
+def _safe_to_replace(directory: Path) -> bool:
+    """`force` may only delete an earlier params checkpoint or an empty directory, never an
+    unrelated directory someone passed by mistake (a source checkpoint, a home dir)."""
+    return (
+        not directory.exists()
+        or is_params_checkpoint(directory)
+        or (directory.is_dir() and not any(directory.iterdir()))
+    )
+
+
+def save_params(params: Params, cfg: Config, directory: str | Path, *, force: bool = False) -> Path:
+    """Save `params` (+ config) as an Orbax checkpoint at `directory`; returns once committed.
+
+    An existing `directory` is refused (FileExistsError) unless `force`, and even with
+    `force` only an earlier params checkpoint or an empty directory is replaced."""
+    directory = Path(directory).absolute()
+    if directory.exists():
+        if not force:
+            raise FileExistsError(f"{directory} exists (pass force=True to overwrite)")
+        if not _safe_to_replace(directory):
+            raise FileExistsError(f"{directory} exists and is not a ds4jax params checkpoint")
+        shutil.rmtree(directory)
+    dtypes = sorted(
+        {str(np.dtype(x.dtype)) for x in jax.tree.leaves(params) if x.dtype != jnp.int32}
+    )
+    meta = {"format": FORMAT, "version": VERSION, "config": cfg.to_dict(), "dtype": dtypes[0]}
+    if len(dtypes) > 1:
+        raise ValueError(f"params mix float dtypes {dtypes}; cast them to one first")
+    with _checkpointer() as ckptr:
+        ckptr.save(
+            directory,
+            ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)),
+        )
+    return directory
+
+
+def read_metadata(directory: str | Path) -> dict[str, Any]:
+    """The `meta` item of a params checkpoint (config dict, dtype, format version)."""
+    directory = Path(directory).absolute()
+    meta = _try_metadata(directory)
+    if meta is None:
+        raise CheckpointError(f"{directory} is not a ds4jax params checkpoint")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"{directory}: unsupported checkpoint version {meta.get('version')}")
+    return dict(meta)
+
+
+def _sharding_tree(abstract: Params, shardings: Any) -> Params:
+    if shardings is None:
+        shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda _: shardings, abstract)
+    if jax.tree.structure(shardings) != jax.tree.structure(abstract):
+        raise ValueError("shardings must be one Sharding or a pytree matching the params")
+    return shardings
+
+
+def restore_params(
+    directory: str | Path, shardings: Any = None, dtype: Any = None
+) -> tuple[Config, Params]:
+    """(config, params) from a params checkpoint, placed per `shardings`.
+
+    `shardings`: None (the default device), one `jax.sharding.Sharding` for every leaf, or a
+    pytree of them matching the params. `dtype`: float dtype of the restored leaves (default
+    the saved one; tid2eid stays int32)."""
+    directory = Path(directory).absolute()
+    meta = read_metadata(directory)
+    cfg = Config.from_dict(meta["config"])
+    abstract = param_shapes(cfg, jnp.dtype(dtype or meta["dtype"]))
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        abstract,
+        _sharding_tree(abstract, shardings),
+    )
+    with _checkpointer() as ckptr:
+        restored = ckptr.restore(
+            directory, ocp.args.Composite(params=ocp.args.StandardRestore(target))
+        )
+    return cfg, restored["params"]
+
+
+def detect_layout(directory: str | Path) -> str:
+    """ "orbax" (a params checkpoint), "official" (FP8/FP4 release) or "hf" (transformers
+    `save_pretrained`); CheckpointError for anything else."""
+    directory = Path(directory)
+    if is_params_checkpoint(directory):
+        return "orbax"
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is not a directory")
+    if not (directory / "config.json").is_file() or not (
+        any(directory.glob("*.safetensors"))
+        or (directory / "model.safetensors.index.json").is_file()
+    ):
+        raise CheckpointError(
+            f"{directory}: not a params checkpoint and no config.json + *.safetensors"
+        )
+    return "official" if is_official_layout(directory) else "hf"
+
+
+def load_any(
+    src: str | Path, dtype: Any = jnp.bfloat16, shardings: Any = None
+) -> tuple[Config, Params]:
+    """(config, params) from any supported layout (see `detect_layout`)."""
+    layout = detect_layout(src)
+    if layout == "orbax":
+        return restore_params(src, shardings, dtype)
+    if layout == "official":
+        return load_official_checkpoint(src, dtype=dtype)
+    return load_hf_checkpoint(src, dtype=dtype)
+
+
+def convert(
+    src: str | Path, dst: str | Path, *, dtype: Any = jnp.bfloat16, force: bool = False
+) -> Path:
+    """Read a checkpoint in any supported layout and write it as a params checkpoint at
+    `dst` (in `dtype`); returns `dst`. Silent: the CLI does the talking."""
+    src_p, dst_p = Path(src).absolute(), Path(dst).absolute()
+    if src_p == dst_p or src_p in dst_p.parents:
+        raise ValueError(f"destination {dst_p} must lie outside the source {src_p}")
+    if dst_p.exists() and not (force and _safe_to_replace(dst_p)):
+        raise FileExistsError(f"{dst_p} exists (force=True replaces only a params checkpoint)")
+    cfg, params = load_any(src_p, dtype)
+    return save_params(params, cfg, dst_p, force=force)

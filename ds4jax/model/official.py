@@ -1,0 +1,561 @@
+"""The official DeepSeek V4 release layout: FP8 block-scaled linears, FP4 routed experts.
+
+Format (as read and as written here):
+
+* **FP8 weights.** A 2-D `<base>.weight` stored as `F8_E4M3` has a companion `<base>.scale`
+  with one power-of-two scale per 128×128 block (`weight_block_size` of the release's
+  `quantization_config`), shape `[ceil(out/128), ceil(in/128)]`; the last row/column of
+  blocks may be partial. Value = fp8 · scale.
+* **FP4 routed experts.** `layers.L.ffn.experts.E.w{1,2,3}.weight` is E2M1 packed two per
+  byte, stored as `I8` (or `U8`) of shape `[out, in/2]`. **Nibble order: the low nibble
+  (bits 0–3) of byte j holds column 2j, the high nibble (bits 4–7) column 2j+1.** Each
+  nibble is an E2M1 code: bit 3 sign, then 2 exponent bits and 1 mantissa bit
+  (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6). `<base>.scale` has one scale per 32 consecutive
+  input elements, shape `[out, in/32]`.
+* **Scales** are E8M0 (a bare biased exponent, 2^(e−127)); stored as `F8_E8M0`
+  (`ml_dtypes.float8_e8m0fnu`) or as raw `U8` exponent bytes — both are read; the writer
+  emits `F8_E8M0` unless asked for `U8`. Plain float scales (F32/BF16) are accepted too.
+* **Everything else** (norms, `hc_*`, `ape`, `attn_sink`, router weight/bias, embedding,
+  head) is a plain BF16/F16/F32 tensor, `tid2eid` an integer tensor; any 2-D weight may
+  instead be FP8 with a `.scale` (the head, for instance). `mtp.*` tensors are ignored.
+
+Weights are **dequantized at load**: kept in bf16 (or f32) on device, never in FP8/FP4. The
+dequantization is exact in bf16 (an FP8/FP4 value times a power of two has at most 4
+significant bits), so loading in bf16 loses nothing relative to f32.
+
+Quantization choices of the writer (used by tests and tooling, not needed to serve): the
+scale of a block is the smallest power of two that keeps every element representable,
+`2^ceil(log2(amax / 448))` for FP8 (448 = E4M3 max) and `2^ceil(log2(amax / 6))` for FP4;
+values are rounded to nearest-even by ml_dtypes' casts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from ds4jax.config import Config, from_hf_config, load_config
+from ds4jax.model import names
+from ds4jax.model.loading import CheckpointError, assemble, safetensor_files
+from ds4jax.model.params import Params, path_name
+from ds4jax.model.safetensors_raw import RawTensorSource, read_tensor, write_safetensors
+
+FP8_BLOCK: tuple[int, int] = (128, 128)
+FP4_BLOCK = 32
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+E8M0_BIAS = 127
+
+_FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+_E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+_PLAIN_FLOATS = frozenset(
+    np.dtype(t) for t in (np.float16, np.float32, np.float64, ml_dtypes.bfloat16)
+)
+#: Config attention kinds → transformers' `layer_types` names.
+_LAYER_TYPES = {
+    "sliding": "sliding_attention",
+    "csa": "compressed_sparse_attention",
+    "hca": "heavily_compressed_attention",
+}
+#: E2M1 code → value (bit 3 is the sign).
+_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+#: Packed byte → (value of the low nibble, value of the high nibble) as one 8-byte word, so
+#: dequantizing is a single 1-D gather (4× faster than unpacking nibbles, then a lookup).
+_E2M1_PAIRS = (
+    np.stack([_E2M1[np.arange(256) & 0x0F], _E2M1[np.arange(256) >> 4]], axis=1)
+    .copy()
+    .view(np.uint64)
+    .reshape(256)
+)
+#: E4M3 byte → float32 (a table lookup is ~3× faster than ml_dtypes' cast).
+_FP8_VALUES = np.arange(256, dtype=np.uint8).view(_FP8).astype(np.float32)
+
+#: Leaves (inside `layers.L.`) the writer stores as block-scaled FP8: the 2-D projections of
+#: attention, compressor, indexer and shared expert.
+FP8_LEAVES = frozenset(
+    {
+        "attn.wq_a",
+        "attn.wq_b",
+        "attn.wkv",
+        "attn.wo_a",
+        "attn.wo_b",
+        "attn.compressor.wkv",
+        "attn.compressor.wgate",
+        "attn.indexer.wq_b",
+        "attn.indexer.weights_proj",
+        "attn.indexer.compressor.wkv",
+        "attn.indexer.compressor.wgate",
+        "ffn.shared_w1",
+        "ffn.shared_w2",
+        "ffn.shared_w3",
+    }
+)
+
+
+# ---------------------------------------------------------------------------- scales
+
+
+def scale_name(weight_name: str) -> str | None:
+    """`layers.0.attn.wq_a.weight` → `layers.0.attn.wq_a.scale` (None for non-weights)."""
+    return weight_name[: -len(".weight")] + ".scale" if weight_name.endswith(".weight") else None
+
+
+def scale_values(scale: np.ndarray, what: str = "scale") -> np.ndarray:
+    """E8M0 scales (`float8_e8m0fnu`, or `uint8` exponent bytes) → float32 2^(e−127);
+    float scales pass through."""
+    if scale.dtype in (_E8M0, np.dtype(np.uint8)):
+        e = scale.view(np.uint8)
+        if np.any(e == 0xFF):
+            raise CheckpointError(f"{what}: E8M0 scale 0xFF (NaN)")
+        return np.ldexp(np.float32(1.0), e.astype(np.int32) - E8M0_BIAS).astype(np.float32)
+    if scale.dtype.kind == "f" or scale.dtype == np.dtype(ml_dtypes.bfloat16):
+        return scale.astype(np.float32)
+    raise CheckpointError(f"{what}: unsupported scale dtype {scale.dtype}")
+
+
+def _pow2_exponent(amax: np.ndarray, qmax: float) -> np.ndarray:
+    """Smallest e with amax / 2^e <= qmax, exactly (frexp, no log rounding); 0 for amax=0."""
+    m, k = np.frexp(amax.astype(np.float64) / qmax)  # x = m·2^k, m in [0.5, 1)
+    e = np.where(m == 0.5, k - 1, k)
+    e = np.where(amax > 0, e, 0)
+    if np.any(e > E8M0_BIAS) or np.any(e < -E8M0_BIAS):
+        raise ValueError("block scale outside the E8M0 range")
+    return e.astype(np.int32)
+
+
+def _encode_scale(e: np.ndarray, scale_format: str) -> np.ndarray:
+    codes = (e + E8M0_BIAS).astype(np.uint8)
+    if scale_format == "e8m0":
+        return codes.view(_E8M0)
+    if scale_format == "u8":
+        return codes
+    raise ValueError(f"scale_format must be 'e8m0' or 'u8', not {scale_format!r}")
+
+
+# ---------------------------------------------------------------------------- FP8
+
+
+def _blocks(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
+
+
+def quantize_fp8(
+    w: np.ndarray, block: tuple[int, int] = FP8_BLOCK, scale_format: str = "e8m0"
+) -> tuple[np.ndarray, np.ndarray]:
+    """2-D float → (E4M3 values [out, in], E8M0 scales [ceil(out/b0), ceil(in/b1)])."""
+    w = np.asarray(w, np.float32)
+    (o, i), (bo, bi) = w.shape, _blocks(w.shape, block)
+    pad = np.zeros((bo * block[0], bi * block[1]), np.float32)
+    pad[:o, :i] = w
+    tiles = pad.reshape(bo, block[0], bi, block[1])
+    e = _pow2_exponent(np.abs(tiles).max(axis=(1, 3)), FP8_MAX)
+    scaled = tiles / np.ldexp(np.float32(1.0), e)[:, None, :, None].astype(np.float32)
+    q = np.clip(scaled, -FP8_MAX, FP8_MAX).astype(_FP8).reshape(pad.shape)[:o, :i]
+    return np.ascontiguousarray(q), _encode_scale(e, scale_format)
+
+
+def dequantize_fp8(
+    q: np.ndarray, scale: np.ndarray, block: tuple[int, int] = FP8_BLOCK, what: str = "tensor"
+) -> np.ndarray:
+    """E4M3 [out, in] with per-block scales → float32 [out, in] (partial edge blocks ok)."""
+    if q.ndim != 2:
+        raise CheckpointError(f"{what}: FP8 weight must be 2-D, has shape {q.shape}")
+    want = _blocks(q.shape, block)
+    if tuple(scale.shape) != want:
+        raise CheckpointError(
+            f"{what}: FP8 scale has shape {tuple(scale.shape)}, expected {want} for a "
+            f"{tuple(q.shape)} weight in {block[0]}x{block[1]} blocks"
+        )
+    s = scale_values(scale, what)
+    w = _FP8_VALUES[q.view(np.uint8)]
+    o, i = q.shape
+    if o % block[0] == 0 and i % block[1] == 0:
+        w.reshape(want[0], block[0], want[1], block[1])[...] *= s[:, None, :, None]
+    else:
+        w *= np.repeat(np.repeat(s, block[0], axis=0)[:o], block[1], axis=1)[:, :i]
+    return w
+
+
+# ---------------------------------------------------------------------------- FP4
+
+
+def pack_fp4(codes: np.ndarray) -> np.ndarray:
+    """E2M1 codes (uint8 in 0..15) [out, in] → int8 [out, in/2]: low nibble = even column."""
+    c = codes.astype(np.uint8)
+    return (c[:, 0::2] | (c[:, 1::2] << 4)).view(np.int8)
+
+
+def unpack_fp4(packed: np.ndarray) -> np.ndarray:
+    """int8/uint8 [out, in/2] → E2M1 codes uint8 [out, in] (inverse of `pack_fp4`)."""
+    b = packed.view(np.uint8)
+    codes = np.empty((b.shape[0], 2 * b.shape[1]), np.uint8)
+    codes[:, 0::2] = b & 0x0F
+    codes[:, 1::2] = b >> 4
+    return codes
+
+
+def quantize_fp4(
+    w: np.ndarray, block: int = FP4_BLOCK, scale_format: str = "e8m0"
+) -> tuple[np.ndarray, np.ndarray]:
+    """2-D float [out, in] → (packed int8 [out, in/2], E8M0 scales [out, in/block])."""
+    w = np.asarray(w, np.float32)
+    o, i = w.shape
+    if i % block or block % 2:
+        raise ValueError(f"FP4 needs the input dim ({i}) to be a multiple of {block}")
+    tiles = w.reshape(o, i // block, block)
+    e = _pow2_exponent(np.abs(tiles).max(axis=2), FP4_MAX)
+    scaled = np.clip(tiles / np.ldexp(np.float32(1.0), e)[:, :, None], -FP4_MAX, FP4_MAX)
+    codes = scaled.astype(ml_dtypes.float4_e2m1fn).view(np.uint8).reshape(o, i) & 0x0F
+    return pack_fp4(codes), _encode_scale(e, scale_format)
+
+
+def dequantize_fp4(
+    packed: np.ndarray, scale: np.ndarray, block: int = FP4_BLOCK, what: str = "tensor"
+) -> np.ndarray:
+    """Packed E2M1 [out, in/2] with per-`block` scales [out, in/block] → float32 [out, in]."""
+    if packed.ndim != 2:
+        raise CheckpointError(f"{what}: FP4 weight must be 2-D, has shape {packed.shape}")
+    o, i = packed.shape[0], 2 * packed.shape[1]
+    if i % block or tuple(scale.shape) != (o, i // block):
+        raise CheckpointError(
+            f"{what}: FP4 scale has shape {tuple(scale.shape)}, expected {(o, i // block)} "
+            f"for a packed {tuple(packed.shape)} weight ({i} inputs, blocks of {block})"
+        )
+    w = _E2M1_PAIRS[packed.view(np.uint8)].view(np.float32).reshape(o, i // block, block)
+    w *= scale_values(scale, what)[:, :, None]
+    return w.reshape(o, i)
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def _read_release_config(directory: Path) -> dict[str, Any]:
+    p = directory / "config.json"
+    return json.loads(p.read_text(encoding="utf-8")) if p.is_file() else {}
+
+
+def _weight_map(directory: Path) -> dict[str, str] | None:
+    index = directory / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    try:
+        return dict(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: corrupt index ({e})") from None
+
+
+def open_source(directory: str | Path) -> RawTensorSource:
+    """All tensors of a (possibly sharded) safetensors directory, any dtype."""
+    directory = Path(directory)
+    weight_map = _weight_map(directory)
+    if weight_map is not None:
+        missing = sorted({f for f in weight_map.values() if not (directory / f).is_file()})
+        if missing:
+            raise CheckpointError(f"{directory}: index names missing shard files {missing}")
+    return RawTensorSource(safetensor_files(directory), weight_map)
+
+
+def is_official_layout(directory: str | Path) -> bool:
+    """A release directory: its config declares a quantization_config, or some tensor has a
+    `.scale` companion. Reads headers only."""
+    directory = Path(directory)
+    if "quantization_config" in _read_release_config(directory):
+        return True
+    return any(n.endswith(".scale") for n in open_source(directory).names())
+
+
+_EXPERT_NAME = re.compile(r"^(.*\.experts\.)(\d+)(\..*\.weight)$")
+
+
+class OfficialReader:
+    """`read(name)` for `assemble`, returning numpy arrays already in `dtype` (int32 for
+    tid2eid), so stacking 256 experts never holds float32 copies of all of them.
+
+    Dequantizes when `<base>.scale` exists, and marks the weight and its scale used only
+    when `assemble` asks for the weight. When expert E of a leaf is requested, the other
+    experts of that leaf are dequantized ahead on a thread pool (numpy releases the GIL,
+    and assemble reads them next, in order); with 256 experts × 3 × 43 layers this is
+    where a release load spends its time. Use as a context manager to stop the pool."""
+
+    def __init__(
+        self,
+        src: RawTensorSource,
+        dtype: Any,
+        block: tuple[int, int] = FP8_BLOCK,
+        workers: int | None = None,
+    ) -> None:
+        self.src, self.out_dtype, self.block = src, np.dtype(dtype), block
+        workers = workers if workers is not None else min(8, os.cpu_count() or 1)
+        self._pool = ThreadPoolExecutor(workers) if workers > 1 else None
+        self._pending: dict[str, Future[np.ndarray]] = {}
+        groups: dict[tuple[str, str], list[tuple[int, str]]] = {}
+        for n in src.names():
+            m = _EXPERT_NAME.match(n)
+            if m:
+                groups.setdefault((m[1], m[3]), []).append((int(m[2]), n))
+        self._siblings = {k: [n for _, n in sorted(v)] for k, v in groups.items()}
+
+    def __enter__(self) -> OfficialReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pending.clear()
+
+    def __call__(self, name: str) -> np.ndarray:
+        sname = scale_name(name)
+        self.src.used.add(name)
+        if sname is not None and sname in self.src:
+            self.src.used.add(sname)
+        fut = self._pending.pop(name, None)
+        if fut is not None:
+            return fut.result()
+        m = _EXPERT_NAME.match(name)
+        if m and self._pool is not None:
+            later = self._siblings[(m[1], m[3])]
+            for sib in later[later.index(name) + 1 :]:
+                if sib not in self._pending:
+                    self._pending[sib] = self._pool.submit(self.load, sib)
+        return self.load(name)
+
+    def load(self, name: str) -> np.ndarray:
+        """One tensor, dequantized and cast (does not mark anything used)."""
+        src = self.src
+        a = read_tensor(src.info(name), name)
+        sname = scale_name(name)
+        if sname is not None and sname in src:
+            s = read_tensor(src.info(sname), sname)
+            if a.dtype == _FP8:
+                w = dequantize_fp8(a, s, self.block, what=name)
+            elif a.dtype in (np.dtype(np.int8), np.dtype(np.uint8)):
+                w = dequantize_fp4(a, s, FP4_BLOCK, what=name)
+            else:
+                raise CheckpointError(f"{name}: dtype {a.dtype} with a .scale is not FP8/FP4")
+            return w.astype(self.out_dtype)
+        if name.endswith("tid2eid"):
+            if a.dtype.kind not in "iu":
+                raise CheckpointError(f"{name}: expected an integer tensor, got {a.dtype}")
+            return a.astype(np.int32)
+        if a.dtype not in _PLAIN_FLOATS:
+            raise CheckpointError(
+                f"{name}: {a.dtype} tensor without a {sname or '.scale'} companion"
+            )
+        return a.astype(self.out_dtype)
+
+
+def load_official_checkpoint(
+    directory: str | Path,
+    cfg: Config | None = None,
+    dtype: Any = jnp.bfloat16,
+    *,
+    quant_sim: bool | None = None,
+    workers: int | None = None,
+) -> tuple[Config, Params]:
+    """An official release directory → (config, params), dequantized at load to `dtype`.
+
+    `cfg` defaults to `load_config(directory)`; `quant_sim` overrides its flag (the release's
+    own graph simulates FP8 KV and the FP4 indexer, transformers' reading does not).
+    `workers`: threads dequantizing routed experts ahead (default min(8, CPUs); 1 = none).
+    Any missing, unknown, mis-shaped or malformed tensor is a `CheckpointError` naming it."""
+    directory = Path(directory)
+    cfg = cfg or load_config(directory)
+    if quant_sim is not None:
+        cfg = cfg.replace(quant_sim=quant_sim)
+    qc = _read_release_config(directory).get("quantization_config") or {}
+    block = tuple(int(b) for b in qc.get("weight_block_size", FP8_BLOCK))
+    if len(block) != 2:
+        raise CheckpointError(f"{directory}: weight_block_size {block} is not 2-D")
+    src = open_source(directory)
+    with OfficialReader(src, dtype, block, workers) as read:
+        return cfg, assemble(cfg, src, read, dtype)
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+def release_config(cfg: Config, *, mtp_layers: int = 1) -> dict[str, Any]:
+    """An HF-style release `config.json` (model_type deepseek_v4) that `from_hf_config` maps
+    back to `cfg` (quant_sim aside, which it does not carry). `compress_ratios` lists
+    `mtp_layers` extra entries like the release does; `layer_types` is authoritative."""
+    csa = cfg.csa_ratio
+    hca = sorted(
+        {r for r, k in zip(cfg.compress_ratios, cfg.attn_types, strict=True) if k == "hca"}
+    )
+    if len(hca) > 1:
+        raise ValueError(f"one HCA ratio per model is representable, config has {hca}")
+    # transformers' nested form: "main" for sliding layers, "compress" (YaRN) for the others
+    compress: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.compress_rope_theta}
+    if cfg.yarn is not None:
+        compress = {
+            "rope_type": "yarn",
+            "rope_theta": cfg.compress_rope_theta,
+            "factor": cfg.yarn.factor,
+            "original_max_position_embeddings": cfg.yarn.original_max_position,
+            "beta_fast": cfg.yarn.beta_fast,
+            "beta_slow": cfg.yarn.beta_slow,
+            "attention_factor": 1.0,
+        }
+    rope = {"main": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "compress": compress}
+    d: dict[str, Any] = {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "torch_dtype": "bfloat16",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": 1,
+        "head_dim": cfg.head_dim,
+        "qk_rope_head_dim": cfg.rope_dim,
+        "q_lora_rank": cfg.q_lora_rank,
+        "o_groups": cfg.o_groups,
+        "o_lora_rank": cfg.o_lora_rank,
+        "n_routed_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "n_shared_experts": cfg.num_shared_experts,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "routed_scaling_factor": cfg.routed_scaling_factor,
+        "swiglu_limit": cfg.swiglu_limit,
+        "rms_norm_eps": cfg.rms_eps,
+        "hc_mult": cfg.hc_mult,
+        "hc_sinkhorn_iters": cfg.hc_sinkhorn_iters,
+        "hc_eps": cfg.hc_eps,
+        "sliding_window": cfg.sliding_window,
+        "layer_types": [_LAYER_TYPES[k] for k in cfg.attn_types],
+        "compress_ratios": list(cfg.compress_ratios) + [0] * mtp_layers,
+        "compress_rates": {
+            "compressed_sparse_attention": csa,
+            "heavily_compressed_attention": hca[0] if hca else 128,
+        },
+        "mlp_layer_types": ["hash_moe" if h else "moe" for h in cfg.hash_layers],
+        "num_hash_layers": sum(cfg.hash_layers),
+        "num_nextn_predict_layers": mtp_layers,
+        "index_n_heads": cfg.index_heads,
+        "index_head_dim": cfg.index_head_dim,
+        "index_topk": cfg.index_topk,
+        "rope_theta": cfg.rope_theta,
+        "compress_rope_theta": cfg.compress_rope_theta,
+        "rope_parameters": rope,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "tie_word_embeddings": False,
+        "quantization_config": {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": list(FP8_BLOCK),
+        },
+        "expert_dtype": "fp4",
+    }
+    back = from_hf_config(d, quant_sim=cfg.quant_sim)
+    if back != cfg:
+        diff = {k: v for k, v in cfg.to_dict().items() if back.to_dict()[k] != v}
+        raise ValueError(f"config not representable as a release config.json: {diff}")
+    return d
+
+
+def _entries(params: Params, cfg: Config, fp8_head: bool) -> list[tuple[str, str, Any, int]]:
+    """(checkpoint name, kind, leaf, expert index or -1) for every tensor to write; kind is
+    "fp8", "fp4", "int" or "bf16"."""
+    out: list[tuple[str, str, Any, int]] = []
+
+    def visit(path: tuple, leaf: Any) -> None:
+        p = path_name(path)
+        rest = p.split(".", 2)[-1] if p.startswith("layers.") else p
+        if rest in names.EXPERT_LEAVES:
+            for e in range(cfg.num_experts):
+                out.append((names.expert_candidates(p, e)[0], "fp4", leaf, e))
+            return
+        kind = "bf16"
+        if rest in FP8_LEAVES or (p == "head" and fp8_head):
+            kind = "fp8"
+        elif rest.endswith("tid2eid"):
+            kind = "int"
+        out.append((names.candidates(p)[0], kind, leaf, -1))
+
+    jax.tree_util.tree_map_with_path(visit, params)
+    return out
+
+
+def _nbytes(kind: str, shape: tuple[int, ...]) -> int:
+    n = math.prod(shape)
+    if kind == "fp8":
+        return n + math.prod(_blocks(shape, FP8_BLOCK))  # type: ignore[arg-type]
+    if kind == "fp4":
+        return n // 2 + n // FP4_BLOCK
+    return n * (4 if kind == "int" else 2)
+
+
+def write_official_checkpoint(
+    params: Params,
+    cfg: Config,
+    directory: str | Path,
+    *,
+    shard_bytes: int = 4 * 2**30,
+    fp8_head: bool = False,
+    scale_format: str = "e8m0",
+    force: bool = False,
+) -> Path:
+    """Quantize `params` into the release layout under `directory`: shards of at most about
+    `shard_bytes`, `model.safetensors.index.json` and a release `config.json`.
+
+    FP8 (128×128 blocks) for `FP8_LEAVES` (and the head when `fp8_head`), FP4 for routed
+    experts, int32 tid2eid, bf16 for the rest; `scale_format` "e8m0" or "u8". A directory
+    already holding a checkpoint is refused unless `force`."""
+    directory = Path(directory)
+    if directory.exists() and not force and any(directory.glob("*.safetensors")):
+        raise FileExistsError(f"{directory} already holds a checkpoint (pass force=True)")
+    directory.mkdir(parents=True, exist_ok=True)
+    config = release_config(cfg)
+    entries = _entries(params, cfg, fp8_head)
+    shards: list[list[tuple[str, str, Any, int]]] = [[]]
+    size = 0
+    total = 0
+    for ent in entries:
+        shape = tuple(ent[2].shape[1:] if ent[3] >= 0 else ent[2].shape)
+        nb = _nbytes(ent[1], shape)
+        if shards[-1] and size + nb > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(ent)
+        size += nb
+        total += nb
+    for old in directory.glob("model-*-of-*.safetensors"):
+        old.unlink()
+    weight_map: dict[str, str] = {}
+    for k, shard in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors: dict[str, np.ndarray] = {}
+        for name, kind, leaf, e in shard:
+            w = np.asarray(leaf[e] if e >= 0 else leaf)
+            base = name[: -len(".weight")]
+            if kind == "fp8":
+                tensors[name], tensors[base + ".scale"] = quantize_fp8(w, FP8_BLOCK, scale_format)
+            elif kind == "fp4":
+                tensors[name], tensors[base + ".scale"] = quantize_fp4(w, FP4_BLOCK, scale_format)
+            elif kind == "int":
+                tensors[name] = w.astype(np.int32)
+            else:
+                tensors[name] = w.astype(ml_dtypes.bfloat16)
+        write_safetensors(directory / fname, tensors, {"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, fname))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory

@@ -1,0 +1,101 @@
+"""Logical axes → `NamedSharding` over a device `Mesh`; the only module that knows mesh axis
+names.
+
+Every parameter dimension gets a logical name (`experts`, `heads`, `ffn`, `vocab`, …);
+`ShardingRules` maps logical names to mesh axes (experts on the expert axis, attention heads
+and FFN width on the tensor axis). The model code itself is sharding-agnostic: parameters
+are placed with these shardings and `jit` propagates them, so one code path runs on one CPU,
+8 fake CPU devices and a TPU slice. A dimension not divisible by its mesh axis stays
+replicated rather than failing.
+
+Multi-host TPU: call `jax.distributed.initialize()` first on every host, then build the mesh
+from `jax.devices()` (all hosts' devices) exactly as here; every host runs the same program.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ds4jax.config import Config
+from ds4jax.model.params import Params, param_shapes, path_name
+
+EXPERT_AXIS = "expert"
+TENSOR_AXIS = "tensor"
+
+
+@dataclass(frozen=True)
+class ShardingRules:
+    """logical axis name → mesh axis (None = replicated)."""
+
+    rules: dict[str, str | None] = field(
+        default_factory=lambda: {
+            "experts": EXPERT_AXIS,
+            "heads": TENSOR_AXIS,
+            "ffn": TENSOR_AXIS,
+            "vocab": TENSOR_AXIS,
+        }
+    )
+
+    def mesh_axis(self, logical: str | None) -> str | None:
+        return self.rules.get(logical) if logical else None
+
+
+def make_mesh(expert: int | None = None, tensor: int = 1, devices: list[Any] | None = None) -> Mesh:
+    """A 2-D (expert, tensor) mesh over `devices` (default: all); `expert` defaults to
+    whatever `tensor` leaves."""
+    devices = list(devices if devices is not None else jax.devices())
+    if expert is None:
+        expert = len(devices) // tensor
+    if expert * tensor != len(devices):
+        raise ValueError(f"mesh {expert}×{tensor} does not use all {len(devices)} devices")
+    grid = np.array(devices, dtype=object).reshape(expert, tensor)
+    return Mesh(grid, (EXPERT_AXIS, TENSOR_AXIS))
+
+
+def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
+    """Logical names of a parameter's dimensions, from its path."""
+    leaf = path.rsplit(".", 1)[-1]
+    if leaf in ("w1", "w3"):  # [E, F, D]
+        return ("experts", "ffn", None)
+    if leaf == "w2":  # [E, D, F]
+        return ("experts", None, "ffn")
+    if leaf in ("shared_w1", "shared_w3"):
+        return ("ffn", None)
+    if leaf == "shared_w2":
+        return (None, "ffn")
+    if path.endswith("attn.wq_b"):  # [H·hd, q_lora]
+        return ("heads", None)
+    if path.endswith("attn.wo_a"):  # [G·R, H/G·hd]: groups of heads
+        return ("heads", None)
+    if leaf == "attn_sink":
+        return ("heads",)
+    if leaf in ("embed", "head"):
+        return ("vocab", None)
+    return (None,) * ndim
+
+
+def param_shardings(cfg: Config, mesh: Mesh, rules: ShardingRules | None = None) -> Params:
+    rules = rules or ShardingRules()
+    shapes = param_shapes(cfg)
+
+    def spec(path: tuple, leaf: jax.ShapeDtypeStruct) -> NamedSharding:
+        axes = []
+        for dim, logical in zip(leaf.shape, logical_axes(path_name(path), leaf.ndim), strict=True):
+            ax = rules.mesh_axis(logical)
+            axes.append(ax if ax is not None and dim % mesh.shape[ax] == 0 else None)
+        return NamedSharding(mesh, PartitionSpec(*axes))
+
+    return jax.tree_util.tree_map_with_path(spec, shapes)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def shard_params(params: Params, cfg: Config, mesh: Mesh, rules: ShardingRules | None = None):
+    return jax.device_put(params, param_shardings(cfg, mesh, rules))

@@ -1,0 +1,67 @@
+"""The same model code on 1 device and on an 8-device mesh gives the same logits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from ds4jax.model.sharding import logical_axes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = textwrap.dedent(
+    """
+    import jax, numpy as np
+    assert len(jax.devices()) == 8, jax.devices()
+    from jax.sharding import PartitionSpec
+    from ds4jax.model.forward import prefill
+    from ds4jax.model.params import init_params
+    from ds4jax.model.sharding import make_mesh, replicated, shard_params
+    from ds4jax.model.state import init_state
+    from tests.model.conftest import small_config
+
+    cfg = small_config(num_experts=8, quant_sim=False)
+    params = init_params(cfg, seed=7)
+    toks = np.random.default_rng(2).integers(0, cfg.vocab_size, 40)
+    one_dev = jax.device_put(params, jax.devices()[0])
+    _, ref = prefill(one_dev, init_state(cfg, 64), toks, cfg, chunk_sizes=(16,), all_logits=True)
+
+    mesh = make_mesh(expert=2, tensor=4)
+    sharded = shard_params(params, cfg, mesh)
+    w1 = sharded["layers"][0]["ffn"]["w1"]
+    assert w1.sharding.spec == PartitionSpec("expert", "tensor", None), w1.sharding.spec
+    assert len(w1.addressable_shards) == 8
+    assert w1.addressable_shards[0].data.shape == (4, 8, 64)
+    state = jax.device_put(init_state(cfg, 64), replicated(mesh))
+    _, out = prefill(sharded, state, toks, cfg, chunk_sizes=(16,), all_logits=True)
+    err = float(np.abs(np.asarray(out) - np.asarray(ref)).max())
+    print("max_err", err)
+    assert err <= 1e-5, err
+    """
+)
+
+
+def test_eight_device_mesh_matches_one_device() -> None:
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "max_err" in out.stdout
+
+
+def test_logical_axes_put_experts_and_heads_on_their_axes() -> None:
+    assert logical_axes("layers.3.ffn.w1", 3) == ("experts", "ffn", None)
+    assert logical_axes("layers.3.ffn.w2", 3) == ("experts", None, "ffn")
+    assert logical_axes("layers.0.attn.wq_b", 2) == ("heads", None)
+    assert logical_axes("layers.0.attn_norm", 1) == (None,)
