@@ -60,6 +60,9 @@ class Message:
     #: An assistant turn the model should continue (Anthropic "prefill"): rendered
     #: without its closing EOS, as the official encoder's `wo_eos`.
     prefill: bool = False
+    #: The exact DSML block the model sampled for these calls (tool memory), rendered
+    #: instead of the canonical form of `tool_calls`.
+    raw_tool_calls: str | None = None
 
 
 @dataclass

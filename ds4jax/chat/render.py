@@ -156,7 +156,11 @@ def _render_message(
         if conv.thinking and (keep_reasoning or index > _last_user_index(messages)):
             out += [Segment(m.reasoning or ""), special(specials.THINK_END)]
         out.append(Segment(m.content))
-        out += render_tool_calls(m.tool_calls)
+        if m.raw_tool_calls is not None:
+            # sampled bytes: the model emitted its DSML markers as special tokens
+            out += template(m.raw_tool_calls)
+        else:
+            out += render_tool_calls(m.tool_calls)
         if not m.prefill:
             out.append(special(specials.EOS))
     else:  # pragma: no cover - Role is a closed Literal

@@ -67,3 +67,33 @@ def merged(segments: Iterable[Segment]) -> Iterator[Segment]:
             buf.append(seg.text)
     if buf:
         yield Segment("".join(buf))
+
+
+def normalize(segments: Iterable[Segment]) -> tuple[Segment, ...]:
+    return tuple(merged(segments))
+
+
+def strip_prefix(
+    segments: tuple[Segment, ...], prefix: tuple[Segment, ...]
+) -> tuple[Segment, ...] | None:
+    """The rest of `segments` after `prefix`, or None when `prefix` is not a prefix.
+
+    Both must be normalized. Special tokens must match one for one; the prefix's last plain
+    segment may end inside a plain segment of `segments` (text continues after it). A plain
+    segment is never matched against a special one: typed `<｜User｜>` is not a turn."""
+    if len(prefix) > len(segments):
+        return None
+    for i, p in enumerate(prefix):
+        s = segments[i]
+        if s.special != p.special:
+            return None
+        last = i == len(prefix) - 1
+        if p.special or not last:
+            if s != p:
+                return None
+            continue
+        if not s.text.startswith(p.text):
+            return None
+        head = s.text[len(p.text) :]
+        return ((Segment(head),) if head else ()) + segments[i + 1 :]
+    return segments[len(prefix) :]

@@ -110,35 +110,37 @@ def param_shapes(cfg: Config, dtype: Any = jnp.float32) -> Params:
     return out
 
 
-def _init_leaf(path: str, shape: tuple[int, ...], dtype: Any, key: jax.Array, cfg: Config):
-    name = path.rsplit(".", 1)[-1]
-    if name == "tid2eid":
-        # distinct experts per token, as a trained table has
-        keys = jax.random.split(key, shape[0])
-        perm = jax.vmap(lambda k: jax.random.permutation(k, cfg.num_experts)[: shape[1]])(keys)
-        return perm.astype(jnp.int32)
-    if name in ("attn_norm", "ffn_norm", "q_norm", "kv_norm", "norm"):
-        return (1.0 + 0.1 * jax.random.normal(key, shape)).astype(dtype)
-    if name.endswith("_scale"):
-        return (0.5 + 0.5 * jax.random.uniform(key, shape)).astype(dtype)
-    if name.endswith("_base") or name in ("attn_sink", "gate_bias", "ape"):
-        return (0.5 * jax.random.normal(key, shape)).astype(dtype)
-    if name == "embed":
-        return jax.random.normal(key, shape).astype(dtype)
-    fan_in = shape[-1]
-    return (jax.random.normal(key, shape) / np.sqrt(fan_in)).astype(dtype)
+def _init_leaf(
+    name: str, shape: tuple[int, ...], dtype: Any, rng: np.random.Generator, cfg: Config
+):
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "tid2eid":  # distinct experts per token, as a trained table has
+        keys = rng.random((shape[0], cfg.num_experts))
+        return np.argsort(keys, axis=1)[:, : shape[1]].astype(np.int32)
+    if leaf in ("attn_norm", "ffn_norm", "q_norm", "kv_norm", "norm"):
+        out = 1.0 + 0.1 * rng.standard_normal(shape)
+    elif leaf.endswith("_scale"):
+        out = 0.5 + 0.5 * rng.random(shape)
+    elif leaf.endswith("_base") or leaf in ("attn_sink", "gate_bias", "ape"):
+        out = 0.5 * rng.standard_normal(shape)
+    elif leaf == "embed":
+        out = rng.standard_normal(shape, dtype=np.float32)
+    else:
+        out = rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[-1])
+    return np.asarray(out, dtype=np.float32)
 
 
 def init_params(cfg: Config, seed: int = 0, dtype: Any = jnp.float32) -> Params:
     """Deterministic random weights: the same (cfg, seed) gives the same params on any
-    device count. Keys derive from leaf paths, not from traversal order."""
+    machine and device count. Each leaf has its own generator seeded from (seed, leaf path),
+    so adding a layer does not change the others. NumPy, not jax.random: no compile per
+    leaf shape, which made startup of the embedded model slow."""
     shapes = param_shapes(cfg, dtype)
-    root = jax.random.key(seed)
 
     def make(path: tuple, leaf: jax.ShapeDtypeStruct) -> jax.Array:
         name = path_name(path)
-        key = jax.random.fold_in(root, _stable_hash(name))
-        return _init_leaf(name, leaf.shape, leaf.dtype, key, cfg)
+        rng = np.random.default_rng([seed, _stable_hash(name)])
+        return jnp.asarray(_init_leaf(name, leaf.shape, leaf.dtype, rng, cfg), dtype=leaf.dtype)
 
     return jax.tree_util.tree_map_with_path(make, shapes)
 

@@ -1,0 +1,78 @@
+"""The continuation decision: which already-evaluated state a request continues from.
+
+First match wins, in this order (ds4's procedure with our fixes):
+
+1. **Live tool output** — the request's trailing `tool_result` ids equal the ids of the tool
+   call the live frontier just sampled, and the frontier has not moved since: append EOS +
+   the tool-result turn + `<｜Assistant｜><think>` only. Nothing else in the request is
+   compared: protocol ids select the sampled state, which is the truth.
+   A request that *needs* the live state (a tool_result with no replayed tool_use) and does
+   not match here is rejected with 409; nothing changes.
+2. **Thinking visible** — after a tool-less thinking turn, whose reasoning the official
+   format drops on replay, a request whose render strictly extends the visible transcript
+   continues from the live state (which keeps the reasoning).
+3. **Exact token prefix** of the live tokens.
+4. **Live rendered-text prefix** — the request's text starts with the live text; the rest is
+   tokenized on its own, never sliced out of the full tokenization (BPE merges across a cut).
+5. **Disk** — the longest stored checkpoint whose text is a prefix of the request's.
+6. **Cold prefill.**
+
+The EOS fix: the live state never holds the EOS that ended its turn (EOS is sampled, not
+evaluated, and decoding stops right after a tool-call block). Every path's suffix therefore
+starts at or before that EOS — the tool path prepends it, the visible transcript stops before
+it — so a continued state always equals a cold prefill of the same tokens.
+"""
+
+from __future__ import annotations
+
+from ds4jax.chat import specials
+from ds4jax.chat.segments import Segment, strip_prefix
+from ds4jax.continuation.types import (
+    LIVE_GONE_MESSAGE,
+    Bindings,
+    CacheSource,
+    Decision,
+    LiveFrontier,
+    Rejection,
+    RequestView,
+)
+from ds4jax.kvstore.store import KVStore
+
+EOS_SEGMENT = Segment(specials.EOS, True)
+
+
+def decide(
+    req: RequestView, live: LiveFrontier | None, bindings: Bindings, store: KVStore
+) -> Decision | Rejection:
+    pos = live.pos if live is not None else 0
+    tb = bindings.tool
+    if (
+        live is not None
+        and tb is not None
+        and tb.pos == pos > 0
+        and req.tail is not None
+        and req.tail_ids
+        and frozenset(req.tail_ids) == tb.ids
+    ):
+        return Decision(
+            CacheSource.LIVE_TOOL, live.tokens, suffix_segments=(EOS_SEGMENT, *req.tail)
+        )
+    if req.requires_live:
+        return Rejection(409, LIVE_GONE_MESSAGE)
+    if live is not None and pos > 0:
+        th = bindings.thinking
+        if th is not None and th.pos == pos:
+            rest = strip_prefix(req.segments, th.visible)
+            if rest:  # strictly longer
+                return Decision(CacheSource.THINKING_VISIBLE, live.tokens, suffix_segments=rest)
+        if len(req.tokens) >= pos and req.tokens[:pos] == live.tokens:
+            return Decision(CacheSource.TOKEN_PREFIX, live.tokens, suffix_tokens=req.tokens[pos:])
+        rest = strip_prefix(req.segments, live.segments)
+        if rest is not None:
+            return Decision(CacheSource.TEXT_PREFIX, live.tokens, suffix_segments=rest)
+    hit = store.lookup(req.segments)
+    if hit is not None:
+        rest = strip_prefix(req.segments, hit.segments)
+        if rest is not None:
+            return Decision(CacheSource.DISK, hit.tokens, suffix_segments=rest, disk=hit)
+    return Decision(CacheSource.COLD, (), suffix_tokens=req.tokens)

@@ -1,0 +1,111 @@
+"""Values the continuation decision works on. No JAX here: the decision is pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from ds4jax.chat.segments import Segment
+
+
+class CacheSource(Enum):
+    """Where the reused part of a prompt came from, in the order they are tried."""
+
+    LIVE_TOOL = "anthropic-tool-output"
+    THINKING_VISIBLE = "thinking-visible"
+    TOKEN_PREFIX = "memory-token"
+    TEXT_PREFIX = "memory-text"
+    DISK = "disk-text"
+    COLD = "none"
+
+
+ORDER = [
+    CacheSource.LIVE_TOOL,
+    CacheSource.THINKING_VISIBLE,
+    CacheSource.TOKEN_PREFIX,
+    CacheSource.TEXT_PREFIX,
+    CacheSource.DISK,
+    CacheSource.COLD,
+]
+
+LIVE_GONE_MESSAGE = (
+    "Anthropic continuation state is not available; retry by replaying the full messages history"
+)
+
+
+def unknown_id_message(tool_use_id: str) -> str:
+    return (
+        f"Anthropic continuation state is not available for tool_use_id {tool_use_id}; "
+        "retry by replaying the full messages history"
+    )
+
+
+@dataclass(frozen=True)
+class LiveFrontier:
+    """The sampled truth: a state pytree, the tokens evaluated into it and their text as
+    segments. Immutable; a new turn makes a new one."""
+
+    state: Any  # DecodeState (opaque here)
+    tokens: tuple[int, ...]
+    segments: tuple[Segment, ...]
+
+    @property
+    def pos(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class ToolBinding:
+    """The live frontier ends right after a sampled tool-call block with these ids."""
+
+    ids: frozenset[str]
+    pos: int
+
+
+@dataclass(frozen=True)
+class ThinkingBinding:
+    """After a tool-less thinking turn: the transcript a client replays once the official
+    format drops the reasoning (up to the assistant content, EOS excluded), for a live state
+    that still holds the reasoning."""
+
+    visible: tuple[Segment, ...]
+    pos: int
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """What the decision needs from a request, protocol-neutral."""
+
+    segments: tuple[Segment, ...]  # the full render, normalized
+    tokens: tuple[int, ...]  # its full tokenization
+    tail_ids: tuple[str, ...] = ()  # ids of the trailing tool_result run
+    tail: tuple[Segment, ...] | None = None  # render of that run, after the assistant's EOS
+    requires_live: bool = False  # some tool_result id has no replayed tool_use
+
+
+@dataclass(frozen=True)
+class Decision:
+    source: CacheSource
+    base: tuple[int, ...]  # tokens already in the base state
+    suffix_segments: tuple[Segment, ...] | None = None  # to tokenize on its own, or
+    suffix_tokens: tuple[int, ...] | None = None  # already tokenized (token-prefix path)
+    disk: Any = None  # the DiskHit for CacheSource.DISK
+
+    @property
+    def cached(self) -> int:
+        return len(self.base)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    status: int
+    message: str
+    error_type: str = "invalid_request_error"
+
+
+@dataclass
+class Bindings:
+    tool: ToolBinding | None = None
+    thinking: ThinkingBinding | None = None
+    extra: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,442 @@
+"""The engine: the single owner of the params, the live frontier and the bindings.
+
+One request at a time (`run` holds a lock; the server gives it one worker thread):
+validate (`prepare`) → decide (`continuation.decide`) → prefill the suffix in chunks →
+decode with sampling and stop conditions → events through the streaming DSML parser →
+update the bindings. The live frontier is replaced, never mutated, and only after the step
+that produced it finished; a cancelled or failed request leaves a consistent frontier (the
+last evaluated token). Nothing else is kept in RAM: no snapshot cache papering over
+mismatches.
+"""
+
+from __future__ import annotations
+
+import codecs
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from ds4jax.chat import specials
+from ds4jax.chat.conversation import Conversation
+from ds4jax.chat.dsml_parse import (
+    DSMLStreamParser,
+    Event,
+    ParsedMessage,
+    ToolUseStart,
+    collect_events,
+    find_stop,
+    stop_safe_len,
+)
+from ds4jax.chat.render import render
+from ds4jax.chat.segments import Segment, normalize
+from ds4jax.chat.tokenizer import Tokenizer
+from ds4jax.config import Config
+from ds4jax.continuation.decide import decide
+from ds4jax.continuation.evidence import attach_tool_memory, tool_tail, validate_tool_results
+from ds4jax.continuation.tool_memory import ToolMemory, new_tool_id
+from ds4jax.continuation.types import (
+    Bindings,
+    CacheSource,
+    Decision,
+    LiveFrontier,
+    Rejection,
+    RequestView,
+    ThinkingBinding,
+    ToolBinding,
+)
+from ds4jax.kvstore.store import KVStore, NoStore
+from ds4jax.model.forward import CHUNK_SIZES, decode_step, prefill
+from ds4jax.model.params import Params
+from ds4jax.model.state import init_state
+from ds4jax.sampling import sample
+
+log = logging.getLogger("ds4jax.engine")
+
+
+class EngineError(RuntimeError):
+    """A request the engine refuses; `status` is the HTTP status it maps to."""
+
+    def __init__(self, status: int, message: str, error_type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+
+@dataclass
+class Prepared:
+    """A validated, rendered and tokenized request, ready to queue."""
+
+    conversation: Conversation
+    view: RequestView
+    thinking: bool
+    has_tools: bool
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_sequences: tuple[str, ...] = ()
+    thinking_budget: int | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.view.tokens)
+
+
+@dataclass(frozen=True)
+class ToolCallStarted:
+    """A tool call opened in the stream, with the id the turn will be remembered under."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass
+class Result:
+    source: CacheSource
+    cached: int  # tokens reused from a stored state
+    prefilled: int  # tokens evaluated for the prompt
+    output_tokens: int
+    finish: str  # end_turn | max_tokens | stop_sequence | tool_use | cancelled
+    message: ParsedMessage
+    tool_ids: list[str]
+    stop_sequence: str | None = None
+    raw_text: str = ""
+    prefill_seconds: float = 0.0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.cached + self.prefilled
+
+
+def _tool_ids_complete(message: ParsedMessage) -> bool:
+    calls = message.tool_calls
+    return bool(calls) and message.error is None and all(c.complete for c in calls)
+
+
+class Engine:
+    def __init__(
+        self,
+        cfg: Config,
+        params: Params,
+        tokenizer: Tokenizer,
+        *,
+        max_len: int = 4096,
+        store: KVStore | None = None,
+        tool_memory: ToolMemory | None = None,
+        chunk_sizes: Sequence[int] = CHUNK_SIZES,
+    ) -> None:
+        self.cfg = cfg
+        self.params = params
+        self.tokenizer = tokenizer
+        self.max_len = max_len
+        self.store = store or NoStore()
+        self.tool_memory = tool_memory or ToolMemory()
+        self.chunk_sizes = tuple(chunk_sizes)
+        self._empty = init_state(cfg, max_len)
+        self.live: LiveFrontier | None = None
+        self.bindings = Bindings()
+        self._lock = threading.Lock()  # one request at a time
+        self._state_lock = threading.Lock()  # guards live + bindings for readers
+        self._special_ids = {tokenizer.special_id(s) for s in specials.TEMPLATE_SPECIALS}
+
+    # ------------------------------------------------------------------ client side
+
+    def live_tool_ids(self) -> frozenset[str]:
+        with self._state_lock:
+            tb = self.bindings.tool
+            return tb.ids if tb is not None else frozenset()
+
+    def prepare(
+        self,
+        conversation: Conversation,
+        *,
+        max_tokens: int,
+        has_tools: bool,
+        sampling: SamplingParams | None = None,
+        stop_sequences: Sequence[str] = (),
+        thinking_budget: int | None = None,
+    ) -> Prepared:
+        """Validation and rendering, before queueing. Raises EngineError(400) for a
+        tool_result that is neither live nor backed by a replayed tool_use, or a prompt that
+        does not fit the context."""
+        try:
+            requires_live = validate_tool_results(conversation, self.live_tool_ids())
+        except ValueError as err:
+            raise EngineError(400, str(err)) from err
+        attach_tool_memory(conversation, self.tool_memory.block_for)
+        segments = normalize(render(conversation))
+        tokens = tuple(self.tokenizer.encode_segments(segments))
+        if len(tokens) >= self.max_len:
+            raise EngineError(
+                400,
+                f"prompt is too long: {len(tokens)} tokens, the context is {self.max_len}",
+            )
+        tail_ids, tail = tool_tail(conversation)
+        view = RequestView(segments, tokens, tail_ids, tail, requires_live)
+        return Prepared(
+            conversation=conversation,
+            view=view,
+            thinking=conversation.thinking,
+            has_tools=has_tools,
+            max_tokens=max_tokens,
+            sampling=sampling or SamplingParams(),
+            stop_sequences=tuple(s for s in stop_sequences if s),
+            thinking_budget=thinking_budget,
+        )
+
+    # ------------------------------------------------------------------ worker side
+
+    def _segments_of(self, tokens: Sequence[int]) -> list[Segment]:
+        out: list[Segment] = []
+        for t in tokens:
+            text = self.tokenizer.token_bytes(t).decode("utf-8", errors="replace")
+            out.append(Segment(text, t in self._special_ids))
+        return out
+
+    def decide(self, prepared: Prepared) -> Decision | Rejection:
+        with self._state_lock:
+            return decide(prepared.view, self.live, self.bindings, self.store)
+
+    def run(
+        self,
+        prepared: Prepared,
+        *,
+        on_event: Callable[[Event | ToolCallStarted], None] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        cancel: threading.Event | None = None,
+        forced_tokens: Sequence[int] | None = None,
+    ) -> Result:
+        """Serve one request. `forced_tokens` replaces sampling by these tokens (teacher
+        forcing, for tests only: the model still evaluates every one of them)."""
+        with self._lock:
+            return self._run(prepared, on_event, progress, cancel, forced_tokens)
+
+    def _run(self, prepared, on_event, progress, cancel, forced_tokens) -> Result:
+        emit = on_event or (lambda _e: None)
+        decision = self.decide(prepared)
+        if isinstance(decision, Rejection):
+            raise EngineError(decision.status, decision.message, decision.error_type)
+
+        # ---- the base state and the suffix
+        if decision.source == CacheSource.COLD:
+            base_state, base_segments = self._empty, ()
+        elif decision.source == CacheSource.DISK:
+            base_state, base_segments = decision.disk.load(), decision.disk.segments
+        else:
+            assert self.live is not None
+            base_state, base_segments = self.live.state, self.live.segments
+        if decision.suffix_tokens is not None:
+            suffix = list(decision.suffix_tokens)
+        else:
+            suffix = self.tokenizer.encode_segments(decision.suffix_segments or ())
+        tokens = list(decision.base) + suffix
+        if len(tokens) >= self.max_len:
+            raise EngineError(
+                400, f"prompt is too long: {len(tokens)} tokens, the context is {self.max_len}"
+            )
+        if decision.source == CacheSource.LIVE_TOOL:
+            log.info(
+                "anthropic live continuation match=tool-output-ids ids=%d cached=%d prompt=%d",
+                len(prepared.view.tail_ids),
+                decision.cached,
+                len(tokens),
+            )
+        else:
+            log.info(
+                "cache source=%s cached=%d prompt=%d",
+                decision.source.value,
+                decision.cached,
+                len(tokens),
+            )
+
+        # ---- prefill the suffix
+        t0 = time.perf_counter()
+        state = base_state
+        if suffix:
+            state, _ = prefill(
+                self.params, state, suffix, self.cfg, chunk_sizes=self.chunk_sizes,
+                progress=progress,
+            )  # fmt: skip
+        state.logits.block_until_ready()
+        prefill_seconds = time.perf_counter() - t0
+        log.info("prompt done %.3fs", prefill_seconds)
+        if decision.suffix_tokens is not None:  # cold or token prefix: all request tokens
+            live_segments = prepared.view.segments
+        else:
+            live_segments = normalize([*base_segments, *(decision.suffix_segments or ())])
+        with self._state_lock:
+            self.live = LiveFrontier(state, tuple(tokens), live_segments)
+            if decision.source != CacheSource.LIVE_TOOL:
+                self.bindings.tool = None
+            if decision.source != CacheSource.THINKING_VISIBLE:
+                self.bindings.thinking = None
+
+        # ---- decode
+        result = self._decode(prepared, state, tokens, live_segments, emit, cancel, forced_tokens)
+        result.source = decision.source
+        result.cached = decision.cached
+        result.prefilled = len(suffix)
+        result.prefill_seconds = prefill_seconds
+        return result
+
+    def _decode(self, prepared, state, tokens, segments, emit, cancel, forced) -> Result:
+        tok = self.tokenizer
+        parser = DSMLStreamParser(thinking=prepared.thinking)
+        events: list[Event] = []
+        tool_ids: list[str] = []
+        stops = prepared.stop_sequences
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        raw = ""
+        fed = 0  # chars of `raw` given to the parser
+        generated: list[int] = []
+        finish = "max_tokens"
+        stop_hit: str | None = None
+        seed = prepared.sampling.seed
+        key = jax.random.key(seed if seed is not None else time.time_ns() % (2**31))
+        think_end = tok.special_id(specials.THINK_END)
+        in_thinking = prepared.thinking
+
+        def push(events_in: list[Event]) -> None:
+            for ev in events_in:
+                events.append(ev)
+                if isinstance(ev, ToolUseStart):
+                    tid = new_tool_id([*tool_ids, *self.live_tool_ids()])
+                    tool_ids.append(tid)
+                    emit(ToolCallStarted(ev.index, tid, ev.name))
+                emit(ev)
+
+        budget = prepared.max_tokens
+        while len(generated) < budget:
+            if cancel is not None and cancel.is_set():
+                finish = "cancelled"
+                break
+            if len(tokens) >= self.max_len:
+                finish = "max_tokens"
+                break
+            if forced is not None:
+                if len(generated) >= len(forced):
+                    finish = "end_turn"
+                    break
+                t = int(forced[len(generated)])
+            elif (
+                in_thinking
+                and prepared.thinking_budget is not None
+                and len(generated) >= prepared.thinking_budget
+            ):
+                t = think_end  # the budget is spent: close the reasoning
+            else:
+                key, sub = jax.random.split(key)
+                sp = prepared.sampling
+                t = int(
+                    sample(
+                        state.logits, sub, temperature=sp.temperature, top_k=sp.top_k,
+                        top_p=sp.top_p, min_p=sp.min_p,
+                    )
+                )  # fmt: skip
+            if t == tok.eos_id:
+                finish = "end_turn"  # sampled, never evaluated: the next turn's suffix has it
+                break
+            state = decode_step(self.params, state, t, self.cfg)
+            generated.append(t)
+            tokens.append(t)
+            if t == think_end:
+                in_thinking = False
+            raw += utf8.decode(tok.token_bytes(t))
+            hit = find_stop(raw, stops) if stops else None
+            if hit is not None:
+                at, length = hit
+                push(parser.feed(raw[fed:at]))
+                fed = at
+                stop_hit = raw[at : at + length]
+                finish = "stop_sequence"
+                break
+            safe = stop_safe_len(raw, stops) if stops else len(raw)
+            if safe > fed:
+                push(parser.feed(raw[fed:safe]))
+                fed = safe
+            if prepared.has_tools and parser.raw_dsml is not None:
+                finish = "tool_use"
+                break
+        raw += utf8.decode(b"", final=True) if finish != "stop_sequence" else ""
+        if finish != "stop_sequence" and fed < len(raw):
+            push(parser.feed(raw[fed:]))
+        push(parser.finish())
+
+        message = collect_events(events, thinking=prepared.thinking)
+        message.raw_dsml = parser.raw_dsml
+        message.error = parser.error
+        if finish != "stop_sequence" and finish != "cancelled" and _tool_ids_complete(message):
+            if finish != "max_tokens":
+                finish = "tool_use"
+
+        live = LiveFrontier(
+            state, tuple(tokens), normalize([*segments, *self._segments_of(generated)])
+        )
+        with self._state_lock:
+            self.live = live
+            self.bindings.tool = None
+            self.bindings.thinking = None
+            if finish == "tool_use" and parser.raw_dsml is not None:
+                self.tool_memory.remember(tool_ids, parser.raw_dsml)
+                self.bindings.tool = ToolBinding(frozenset(tool_ids), live.pos)
+            elif (
+                finish == "end_turn"
+                and prepared.thinking
+                and not prepared.has_tools
+                and not message.tool_calls
+                and message.reasoning is not None
+                and not in_thinking
+            ):
+                self.bindings.thinking = ThinkingBinding(
+                    self._visible_transcript(prepared.view.segments, message.content), live.pos
+                )
+        return Result(
+            source=CacheSource.COLD,
+            cached=0,
+            prefilled=0,
+            output_tokens=len(generated) + (1 if finish == "end_turn" and forced is None else 0),
+            finish=finish,
+            message=message,
+            tool_ids=tool_ids if message.tool_calls else [],
+            stop_sequence=stop_hit,
+            raw_text=raw,
+        )
+
+    @staticmethod
+    def _visible_transcript(prompt: tuple[Segment, ...], content: str) -> tuple[Segment, ...]:
+        """What the next render shows for this turn once its reasoning is dropped: the prompt
+        with its closing `<think>` turned into `</think>`, then the content. The EOS that
+        follows is deliberately left out, so the next turn's suffix starts with it."""
+        body = list(prompt)
+        if body and body[-1] == Segment(specials.THINK_START, True):
+            body.pop()
+        return normalize([*body, Segment(specials.THINK_END, True), Segment(content)])
+
+    # ------------------------------------------------------------------ introspection
+
+    def logits_for(self, tokens: Sequence[int]) -> np.ndarray:
+        """Next-token logits of a cold prefill of `tokens` (fidelity checks)."""
+        state, _ = prefill(
+            self.params, self._empty, list(tokens), self.cfg, chunk_sizes=self.chunk_sizes
+        )
+        return np.asarray(state.logits)
+
+    def reset(self) -> None:
+        """Forget the live frontier and bindings (a restart, as far as RAM goes)."""
+        with self._lock, self._state_lock:
+            self.live = None
+            self.bindings = Bindings()

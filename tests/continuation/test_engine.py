@@ -1,0 +1,235 @@
+"""The engine's decision paths on a real model: which state a request continues from, what
+it prefills, and that a continued state is exactly a cold prefill of the same tokens."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import pytest
+
+from ds4jax.continuation.types import CacheSource
+from ds4jax.engine import Engine, EngineError
+from tests.continuation.conftest import TOOLS, forced, prepare, tool_call_text
+
+SYSTEM = "You are a careful coding agent."
+
+
+def first_turn(engine: Engine, command: str = "ls -la"):
+    body = {"system": SYSTEM, "tools": TOOLS, "messages": [{"role": "user", "content": "list"}]}
+    res = engine.run(
+        prepare(engine, body, 200), forced_tokens=forced(engine, tool_call_text(command))
+    )
+    assert res.finish == "tool_use" and len(res.tool_ids) == 1
+    return body, res
+
+
+def tool_loop_body(body, res, result="a.txt\nb.txt", input_json=None):
+    tid = res.tool_ids[0]
+    assistant = {
+        "role": "assistant",
+        "content": [
+            {"type": "thinking", "thinking": "I should run it.", "signature": "s"},
+            {
+                "type": "tool_use",
+                "id": tid,
+                "name": "bash",
+                "input": input_json or {"command": "ls -la"},
+            },
+        ],
+    }
+    user = {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": tid, "content": result}],
+    }
+    return dict(body, messages=[*body["messages"], assistant, user])
+
+
+def assert_cold_equivalent(engine: Engine) -> None:
+    live = engine.live
+    cold = engine.logits_for(live.tokens)
+    assert np.abs(cold - np.asarray(live.state.logits)).max() <= 1e-5
+
+
+def test_live_tool_result_appends_only_the_suffix(engine: Engine, caplog) -> None:
+    body, res1 = first_turn(engine)
+    live_pos = engine.live.pos
+    req = prepare(engine, tool_loop_body(body, res1), 1)
+    with caplog.at_level(logging.INFO, logger="ds4jax.engine"):
+        res2 = engine.run(req, forced_tokens=[])
+    assert res2.source == CacheSource.LIVE_TOOL
+    assert res2.cached == live_pos
+    # only EOS + <U><tool_result>…</tool_result><A><think> was evaluated
+    assert 0 < res2.prefilled < 20
+    assert res2.cached + res2.prefilled == len(engine.live.tokens)
+    assert (
+        f"anthropic live continuation match=tool-output-ids ids=1 cached={live_pos}" in caplog.text
+    )
+    assert "prompt done" in caplog.text
+    # exact replay of the sampled DSML makes the effective tokens the request's own tokens
+    assert tuple(engine.live.tokens) == req.view.tokens
+    assert_cold_equivalent(engine)
+
+
+def test_reserialised_tool_json_still_replays_the_sampled_bytes(engine: Engine) -> None:
+    body, res1 = first_turn(engine, command='echo "a" && ls')
+    sampled_text = engine.tokenizer.decode(engine.live.tokens)
+    # the client reorders keys and adds one: ids map to the sampled block, so it renders as sampled
+    req = prepare(
+        engine, tool_loop_body(body, res1, input_json={"command": 'echo "a" && ls', "x": 1})
+    )
+    text = "".join(s.text for s in req.view.segments)
+    assert text.startswith(sampled_text)
+
+
+def test_unknown_tool_result_id_is_a_400_that_changes_nothing(engine: Engine) -> None:
+    body, res1 = first_turn(engine)
+    before = (engine.live, engine.bindings.tool)
+    bad = {
+        "system": SYSTEM,
+        "tools": TOOLS,
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}],
+            }
+        ],
+    }
+    with pytest.raises(EngineError) as info:
+        prepare(engine, bad)
+    assert info.value.status == 400
+    assert info.value.message == (
+        "Anthropic continuation state is not available for tool_use_id toolu_nope; "
+        "retry by replaying the full messages history"
+    )
+    assert (engine.live, engine.bindings.tool) == before
+
+
+def test_tool_result_only_request_gets_409_when_the_live_state_moved(engine: Engine) -> None:
+    body, res1 = first_turn(engine)
+    tid = res1.tool_ids[0]
+    only_results = {
+        "system": SYSTEM,
+        "tools": TOOLS,
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": tid, "content": "x"}],
+            }
+        ],
+    }
+    req = prepare(engine, only_results)  # valid now: the id is live
+    assert req.view.requires_live
+    # another request moves the live state before this one runs
+    other = {"messages": [{"role": "user", "content": "something else"}]}
+    engine.run(prepare(engine, other), forced_tokens=[])
+    before = (engine.live, engine.bindings.tool, engine.bindings.thinking)
+    with pytest.raises(EngineError) as info:
+        engine.run(req)
+    assert info.value.status == 409
+    assert info.value.message == (
+        "Anthropic continuation state is not available; retry by replaying the full messages history"
+    )
+    assert (engine.live, engine.bindings.tool, engine.bindings.thinking) == before
+
+
+def test_full_replay_with_a_stale_id_falls_back_to_prefix_matching(engine: Engine) -> None:
+    body, res1 = first_turn(engine)
+    follow = tool_loop_body(body, res1)
+    engine.reset()  # a restart: RAM state gone
+    req = prepare(engine, follow)  # the tool_use is replayed, so the id needs no live state
+    res = engine.run(req, forced_tokens=[])
+    assert res.source == CacheSource.COLD
+    assert res.prefilled == len(req.view.tokens)
+
+
+def test_token_prefix_and_text_prefix_paths(engine: Engine) -> None:
+    body = {"thinking": {"type": "disabled"}, "messages": [{"role": "user", "content": "Say hi"}]}
+    res1 = engine.run(prepare(engine, body), forced_tokens=forced(engine, "Hi there"))
+    assert res1.source == CacheSource.COLD and res1.finish == "end_turn"
+    follow = dict(
+        body,
+        messages=[*body["messages"], {"role": "assistant", "content": "Hi there"},
+                  {"role": "user", "content": "again"}],
+    )  # fmt: skip
+    req = prepare(engine, follow)
+    live_len = engine.live.pos
+    res2 = engine.run(req, forced_tokens=[])
+    assert res2.source == CacheSource.TOKEN_PREFIX and res2.cached == live_len
+    assert res2.cached + res2.prefilled == len(req.view.tokens)
+    assert_cold_equivalent(engine)
+
+    # text prefix: the model emitted "s" + "trand" where the render tokenizes "strand"
+    engine.reset()
+    body = {"thinking": {"type": "disabled"}, "messages": [{"role": "user", "content": "word?"}]}
+    split = engine.tokenizer.encode_text("s") + engine.tokenizer.encode_text("trand")
+    engine.run(prepare(engine, body), forced_tokens=split)
+    follow = dict(
+        body,
+        messages=[*body["messages"], {"role": "assistant", "content": "strand"},
+                  {"role": "user", "content": "ok"}],
+    )  # fmt: skip
+    req = prepare(engine, follow)
+    live_tokens = engine.live.tokens
+    res3 = engine.run(req, forced_tokens=[])
+    assert res3.source == CacheSource.TEXT_PREFIX
+    assert engine.live.tokens[: len(live_tokens)] == live_tokens  # sampled tokens kept
+    assert engine.tokenizer.decode(engine.live.tokens) == "".join(s.text for s in req.view.segments)
+    assert_cold_equivalent(engine)
+
+
+def test_thinking_visible_continuation_keeps_reasoning_and_evaluates_eos(engine: Engine) -> None:
+    body = {"messages": [{"role": "user", "content": "2+2?"}]}  # thinking on, no tools
+    res1 = engine.run(prepare(engine, body), forced_tokens=forced(engine, "add them</think>4"))
+    assert res1.finish == "end_turn" and res1.message.reasoning == "add them"
+    assert engine.bindings.thinking is not None
+    follow = {
+        "messages": [
+            *body["messages"],
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "add them"},
+                    {"type": "text", "text": "4"},
+                ],
+            },
+            {"role": "user", "content": "and 3+3?"},
+        ]
+    }
+    req = prepare(engine, follow)
+    assert "add them" not in "".join(s.text for s in req.view.segments)  # dropped on replay
+    pos = engine.live.pos
+    res2 = engine.run(req, forced_tokens=[])
+    assert res2.source == CacheSource.THINKING_VISIBLE and res2.cached == pos
+    eos = engine.tokenizer.eos_id
+    assert engine.live.tokens[pos] == eos  # the EOS fix: the turn's EOS is evaluated
+    assert "add them" in engine.tokenizer.decode(engine.live.tokens)  # sampled state kept
+    assert_cold_equivalent(engine)
+
+
+def test_cancel_leaves_a_consistent_frontier(engine: Engine) -> None:
+    body = {"thinking": {"type": "disabled"}, "messages": [{"role": "user", "content": "go"}]}
+    cancel = threading.Event()
+    seen = []
+
+    def on_event(ev):
+        seen.append(ev)
+        cancel.set()
+
+    res = engine.run(prepare(engine, body, 50), on_event=on_event, cancel=cancel,
+                     forced_tokens=forced(engine, "one two three four five six"))  # fmt: skip
+    assert res.finish == "cancelled"
+    assert len(engine.live.tokens) < len(prepare(engine, body).view.tokens) + 6
+    assert_cold_equivalent(engine)
+
+
+def test_stop_sequence_truncates_and_reports(engine: Engine) -> None:
+    body = {
+        "thinking": {"type": "disabled"},
+        "stop_sequences": ["STOP"],
+        "messages": [{"role": "user", "content": "go"}],
+    }
+    res = engine.run(prepare(engine, body, 50), forced_tokens=forced(engine, "hello STOP world"))
+    assert res.finish == "stop_sequence" and res.stop_sequence == "STOP"
+    assert res.message.content == "hello "
