@@ -25,6 +25,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -191,8 +192,21 @@ class Transformers:
 # ---------------------------------------------------------------- the runs
 
 
+#: Two best times within this factor: enough repeats.
+STABLE = 1.10
+
+
 def _best(times: list[float]) -> float | None:
     return min(times) if times else None
+
+
+def _stable(times: list[float]) -> bool:
+    t = sorted(times)
+    return len(t) < 2 or t[1] <= STABLE * t[0]
+
+
+def _load() -> float:
+    return round(os.getloadavg()[0], 2)
 
 
 def _summary(n: int, times: list[float]) -> dict[str, Any]:
@@ -226,10 +240,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     steps = args.decode_steps or (8 if quick else 32)
     ctx = args.decode_ctx
 
-    def repeats_for(n: int) -> int:
+    def repeats_for(n: int) -> tuple[int, int]:
+        """(at least, at most) interleaved repeats: past the minimum, repeat while either
+        side's two best times differ by more than `STABLE` (a shared, noisy machine)."""
+        if n > 2048:
+            return 1, 1
         if args.repeats:
-            return args.repeats if n <= 2048 else 1
-        return 3 if quick else (5 if n <= 512 else 3 if n <= 2048 else 1)
+            return args.repeats, args.repeats
+        if quick:
+            return 2, 4
+        return (5, 8) if n <= 512 else (3, 5)
 
     def left() -> float:
         return deadline - time.perf_counter()
@@ -298,10 +318,61 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prefill_rows: list[dict[str, Any]] = []
     hf_times_by_n: dict[int, list[float]] = {}
 
+    def interleave(
+        count: int,
+        reps: tuple[int, int],
+        run_jax: Callable[[], float],
+        run_hf: Callable[[], float] | None,
+        predicted_hf: float | None = None,
+    ) -> tuple[list[float], list[float], list[float], list[str]]:
+        """Alternate ds4jax and transformers runs (so load changes hit both); returns
+        (ds4jax times, transformers times, load average after each pair, skip notes)."""
+        lo, hi = reps
+        jt: list[float] = []
+        ht: list[float] = []
+        loads: list[float] = []
+        skipped: list[str] = []
+        for r in range(hi):
+            if r >= lo and _stable(jt) and _stable(ht):
+                break
+            if r and left() < 0:
+                skipped.append(f"repeats {r + 1}+: over the {args.budget_min} min budget")
+                break
+            dt = run_jax()
+            jt.append(dt)
+            log(f"  [{r + 1}] ds4jax       {dt:8.2f} s  {count / dt:9.1f} tok/s   load {_load()}")
+            if run_hf is not None:
+                if predicted_hf is not None and predicted_hf > left():
+                    msg = f"transformers: predicted {predicted_hf:.0f} s > {left():.0f} s left"
+                    skipped.append(msg)
+                    log(f"  skip {msg}")
+                else:
+                    if predicted_hf is not None:
+                        log(f"  transformers: one run, ~{predicted_hf:.0f} s predicted ...")
+                    dt = run_hf()
+                    ht.append(dt)
+                    log(
+                        f"  [{r + 1}] transformers {dt:8.2f} s  {count / dt:9.1f} tok/s"
+                        f"   load {_load()}"
+                    )
+            loads.append(_load())
+        return jt, ht, loads, skipped
+
+    def finish_row(row: dict[str, Any], count: int, jt, ht, loads, skipped) -> dict[str, Any]:
+        bj, bh = _best(jt), _best(ht)
+        row |= {
+            "ds4jax": _summary(count, jt),
+            "transformers": _summary(count, ht),
+            "ratio": round(bh / bj, 3) if bj and bh else None,
+            "loadavg": loads,
+            "skipped": skipped,
+        }
+        return row
+
     def prefill_size(n: int) -> None:
         max_len = n + 64
         reps = repeats_for(n)
-        log(f"\n-- prefill {n} tokens (ds4jax max_len {max_len}; {reps} interleaved repeat(s))")
+        log(f"\n-- prefill {n} tokens (ds4jax max_len {max_len}; repeats {reps[0]}..{reps[1]})")
         # ds4jax warm-up: the first chunk compiles the only program this size runs
         w = min(n, max(CHUNK_SIZES))
         first, _ = jx.prefill(jx.state(max_len), tokens[:w])
@@ -311,60 +382,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"ds4jax first call ({w} tokens) {first:.2f} s, again {again:.2f} s "
             f"-> compile ~{compile_s:.1f} s"
         )
-        jt: list[float] = []
-        ht: list[float] = []
-        skipped: list[str] = []
         predicted_hf = None
-        if hf is not None and n > 2048:
-            prev = [k for k in hf_times_by_n if hf_times_by_n[k]]
-            if prev:  # attention grows ~quadratically: scale the largest measured size
-                k = max(prev)
-                predicted_hf = min(hf_times_by_n[k]) * (n / k) ** 2
-        for r in range(reps):
-            if r and left() < 0:
-                skipped.append(f"repeats {r + 1}..{reps}: over the {args.budget_min} min budget")
-                break
-            dt, st = jx.prefill(jx.state(max_len), tokens[:n])
-            del st
-            jt.append(dt)
-            log(f"  [{r + 1}/{reps}] ds4jax       {dt:8.2f} s  {n / dt:9.1f} tok/s")
-            if hf is None:
-                continue
-            if predicted_hf is not None and predicted_hf > left():
-                skipped.append(
-                    f"transformers {n}: predicted {predicted_hf:.0f} s, {max(left(), 0):.0f} s "
-                    "of budget left"
-                )
-                log(f"  skip transformers {n}: predicted ~{predicted_hf:.0f} s exceeds budget")
-                continue
-            if predicted_hf is not None:
-                log(f"  transformers {n} tokens: one forward, ~{predicted_hf:.0f} s predicted ...")
+        measured = [k for k, v in hf_times_by_n.items() if v]
+        if n > 2048 and measured:  # attention grows ~quadratically: scale the largest one
+            k = max(measured)
+            predicted_hf = min(hf_times_by_n[k]) * (n / k) ** 2
+
+        def run_jax() -> float:
+            dt, _ = jx.prefill(jx.state(max_len), tokens[:n])
+            return dt
+
+        def run_hf() -> float:
             gc.collect()
             dt, out = hf.prefill(tokens[:n])
             del out
             gc.collect()
-            ht.append(dt)
-            log(f"  [{r + 1}/{reps}] transformers {dt:8.2f} s  {n / dt:9.1f} tok/s")
-        hf_times_by_n[n] = ht
+            return dt
+
+        res = interleave(n, reps, run_jax, run_hf if hf else None, predicted_hf)
+        hf_times_by_n[n] = res[1]
         row = {
             "tokens": n,
             "ds4jax_max_len": max_len,
             "ds4jax_first_call_s": round(first, 3),
             "ds4jax_compile_s": round(compile_s, 2),
-            "ds4jax": _summary(n, jt),
-            "transformers": _summary(n, ht),
-            "skipped": skipped,
         }
-        bj, bh = _best(jt), _best(ht)
-        row["ratio"] = round(bh / bj, 3) if bj and bh else None
-        prefill_rows.append(row)
+        prefill_rows.append(finish_row(row, n, *res))
 
     def decode() -> dict[str, Any]:
         max_len = ctx + max(64, steps)
-        reps = 3
+        reps = (2, 4) if quick else (3, 6)
         log(
             f"\n-- decode: {steps} greedy steps after a {ctx}-token prefill "
-            f"(ds4jax max_len {max_len}; {reps} interleaved repeats)"
+            f"(ds4jax max_len {max_len}; repeats {reps[0]}..{reps[1]})"
         )
         pt, st = jx.prefill(jx.state(max_len), tokens[:ctx])
         first = jx.decode(st, 1)
@@ -376,33 +426,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         if hf is not None:
             hf.decode(tokens[:ctx], 2)  # warm-up
-        jt: list[float] = []
-        ht: list[float] = []
-        skipped: list[str] = []
-        for r in range(reps):
-            if r and left() < 0:
-                skipped.append(f"repeats {r + 1}..{reps}: over the {args.budget_min} min budget")
-                break
-            dt = jx.decode(st, steps)
-            jt.append(dt)
-            log(f"  [{r + 1}/{reps}] ds4jax       {dt:8.2f} s  {steps / dt:9.1f} tok/s")
-            if hf is not None:
-                dt = hf.decode(tokens[:ctx], steps)
-                ht.append(dt)
-                log(f"  [{r + 1}/{reps}] transformers {dt:8.2f} s  {steps / dt:9.1f} tok/s")
+        res = interleave(
+            steps,
+            reps,
+            lambda: jx.decode(st, steps),
+            (lambda: hf.decode(tokens[:ctx], steps)) if hf else None,
+        )
         row = {
             "context": ctx,
             "steps": steps,
             "ds4jax_max_len": max_len,
             "ds4jax_first_step_s": round(first, 3),
             "ds4jax_compile_s": round(compile_s, 2),
-            "ds4jax": _summary(steps, jt),
-            "transformers": _summary(steps, ht),
-            "skipped": skipped,
         }
-        bj, bh = _best(jt), _best(ht)
-        row["ratio"] = round(bh / bj, 3) if bj and bh else None
-        return row
+        return finish_row(row, steps, *res)
 
     # the largest size last, after decode: it is the one a budget may cut
     for n in sizes[:-1]:
@@ -422,25 +459,39 @@ def _fmt(x: float | None, spec: str = "9,.1f") -> str:
     return format(x, spec) if x is not None else "        -"
 
 
+def _median_tok_s(side: dict[str, Any], count: int) -> float | None:
+    return count / side["median_s"] if side["median_s"] else None
+
+
 def print_table(rep: dict[str, Any]) -> None:
-    log(f"\n{rep['config']}: tokens/s, best of the repeats (ratio = ds4jax / transformers)")
-    log(f"{'':<14} {'ds4jax':>9} {'transformers':>13} {'ratio':>7} {'compile s':>10}")
-    for row in rep["prefill"]:
+    log(
+        f"\n{rep['config']}: tokens/s, best of the repeats; ratio = ds4jax / transformers; "
+        "medians in brackets"
+    )
+    log(
+        f"{'':<15} {'ds4jax':>9} {'transformers':>13} {'ratio':>7}   "
+        f"{'(median ds4jax / transformers)':<31} {'compile s':>9}"
+    )
+    rows = [(f"prefill {row['tokens']:>6}", row["tokens"], row) for row in rep["prefill"]]
+    d = rep["decode"]
+    rows.append((f"decode {d['steps']:>3}@{d['context']:<4}", d["steps"], d))
+    for label, count, row in rows:
         r = row["ratio"]
+        med = (
+            "("
+            + " / ".join(
+                _fmt(_median_tok_s(row[k], count), ".1f").strip()
+                for k in ("ds4jax", "transformers")
+            )
+            + ")"
+        )
         log(
-            f"prefill {row['tokens']:>6} {_fmt(row['ds4jax']['tok_s'])} "
+            f"{label:<15} {_fmt(row['ds4jax']['tok_s'])} "
             f"{_fmt(row['transformers']['tok_s'], '13,.1f')} "
-            f"{(f'{r:6.2f}x' if r else '      -'):>7} {row['ds4jax_compile_s']:>10.1f}"
+            f"{(f'{r:6.2f}x' if r else '      -'):>7}   {med:<31} {row['ds4jax_compile_s']:>9.1f}"
         )
         for s in row["skipped"]:
             log(f"  (skipped {s})")
-    d = rep["decode"]
-    r = d["ratio"]
-    log(
-        f"decode  {d['steps']:>3}@{d['context']:<3} {_fmt(d['ds4jax']['tok_s'])} "
-        f"{_fmt(d['transformers']['tok_s'], '13,.1f')} "
-        f"{(f'{r:6.2f}x' if r else '      -'):>7} {d['ds4jax_compile_s']:>10.1f}"
-    )
     ref = rep["reported_earlier"]
     log(f"\n{ref['note']} (different runs, for context):")
     for eng in ("transformers", "llama.cpp"):

@@ -84,7 +84,7 @@ def test_reserialised_tool_json_still_replays_the_sampled_bytes(engine: Engine) 
 
 
 def test_unknown_tool_result_id_is_a_400_that_changes_nothing(engine: Engine) -> None:
-    body, res1 = first_turn(engine)
+    first_turn(engine)
     before = (engine.live, engine.bindings.tool)
     bad = {
         "system": SYSTEM,
@@ -107,7 +107,7 @@ def test_unknown_tool_result_id_is_a_400_that_changes_nothing(engine: Engine) ->
 
 
 def test_tool_result_only_request_gets_409_when_the_live_state_moved(engine: Engine) -> None:
-    body, res1 = first_turn(engine)
+    _, res1 = first_turn(engine)
     tid = res1.tool_ids[0]
     only_results = {
         "system": SYSTEM,
@@ -129,7 +129,8 @@ def test_tool_result_only_request_gets_409_when_the_live_state_moved(engine: Eng
         engine.run(req)
     assert info.value.status == 409
     assert info.value.message == (
-        "Anthropic continuation state is not available; retry by replaying the full messages history"
+        "Anthropic continuation state is not available; "
+        "retry by replaying the full messages history"
     )
     assert (engine.live, engine.bindings.tool, engine.bindings.thinking) == before
 
