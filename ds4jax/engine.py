@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import numpy as np
@@ -33,7 +34,7 @@ from ds4jax.chat.dsml_parse import (
     stop_safe_len,
 )
 from ds4jax.chat.render import render
-from ds4jax.chat.segments import Segment, normalize
+from ds4jax.chat.segments import Segment, normalize, template
 from ds4jax.chat.tokenizer import Tokenizer
 from ds4jax.config import Config
 from ds4jax.continuation.decide import decide
@@ -89,6 +90,11 @@ class Prepared:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_sequences: tuple[str, ...] = ()
     thinking_budget: int | None = None
+    #: `tool_choice` any / tool: the text forced once the reasoning is closed (or at once
+    #: without thinking): the DSML block opening, and the tool name for `tool`.
+    force_after_think: str | None = None
+    #: `disable_parallel_tool_use`: close the block after its first invoke.
+    single_tool_call: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -169,6 +175,7 @@ class Engine:
         sampling: SamplingParams | None = None,
         stop_sequences: Sequence[str] = (),
         thinking_budget: int | None = None,
+        tool_choice: dict[str, Any] | None = None,
     ) -> Prepared:
         """Validation and rendering, before queueing. Raises EngineError(400) for a
         tool_result that is neither live nor backed by a replayed tool_use, or a prompt that
@@ -187,6 +194,12 @@ class Engine:
             )
         tail_ids, tail = tool_tail(conversation)
         view = RequestView(segments, tokens, tail_ids, tail, requires_live)
+        force = None
+        choice = (tool_choice or {}).get("type")
+        if has_tools and choice in ("any", "tool"):
+            force = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="'
+            if choice == "tool":
+                force += f'{tool_choice["name"]}">\n'
         return Prepared(
             conversation=conversation,
             view=view,
@@ -196,6 +209,8 @@ class Engine:
             sampling=sampling or SamplingParams(),
             stop_sequences=tuple(s for s in stop_sequences if s),
             thinking_budget=thinking_budget,
+            force_after_think=force,
+            single_tool_call=bool((tool_choice or {}).get("disable_parallel_tool_use")),
         )
 
     # ------------------------------------------------------------------ worker side
@@ -218,14 +233,16 @@ class Engine:
         on_event: Callable[[Event | ToolCallStarted], None] | None = None,
         progress: Callable[[int, int], None] | None = None,
         cancel: threading.Event | None = None,
+        on_decision: Callable[[Decision, int], None] | None = None,
         forced_tokens: Sequence[int] | None = None,
     ) -> Result:
-        """Serve one request. `forced_tokens` replaces sampling by these tokens (teacher
+        """Serve one request. `on_decision(decision, prefill_tokens)` fires once the path is
+        chosen, before prefill. `forced_tokens` replaces sampling by these tokens (teacher
         forcing, for tests only: the model still evaluates every one of them)."""
         with self._lock:
-            return self._run(prepared, on_event, progress, cancel, forced_tokens)
+            return self._run(prepared, on_event, progress, cancel, on_decision, forced_tokens)
 
-    def _run(self, prepared, on_event, progress, cancel, forced_tokens) -> Result:
+    def _run(self, prepared, on_event, progress, cancel, on_decision, forced_tokens) -> Result:
         emit = on_event or (lambda _e: None)
         decision = self.decide(prepared)
         if isinstance(decision, Rejection):
@@ -262,6 +279,9 @@ class Engine:
                 decision.cached,
                 len(tokens),
             )
+
+        if on_decision is not None:
+            on_decision(decision, len(suffix))
 
         # ---- prefill the suffix
         t0 = time.perf_counter()
@@ -309,6 +329,10 @@ class Engine:
         key = jax.random.key(seed if seed is not None else time.time_ns() % (2**31))
         think_end = tok.special_id(specials.THINK_END)
         in_thinking = prepared.thinking
+        queue: list[int] = []  # tokens forced by tool_choice / disable_parallel_tool_use
+        pending_force = prepared.force_after_think
+        closed_single = False
+        invoke_close = "</" + specials.DSML + "invoke>"
 
         def push(events_in: list[Event]) -> None:
             for ev in events_in:
@@ -327,7 +351,12 @@ class Engine:
             if len(tokens) >= self.max_len:
                 finish = "max_tokens"
                 break
-            if forced is not None:
+            if pending_force is not None and not in_thinking:
+                queue = tok.encode_segments(template(pending_force))
+                pending_force = None
+            if queue:
+                t = queue.pop(0)
+            elif forced is not None:
                 if len(generated) >= len(forced):
                     finish = "end_turn"
                     break
@@ -371,6 +400,11 @@ class Engine:
             if prepared.has_tools and parser.raw_dsml is not None:
                 finish = "tool_use"
                 break
+            if prepared.single_tool_call and not closed_single and not queue:
+                after = raw.rfind(specials.THINK_END) + 1 if prepared.thinking else 0
+                if invoke_close in raw[after:]:
+                    queue = tok.encode_segments(template("\n</" + specials.DSML + "tool_calls>"))
+                    closed_single = True
         raw += utf8.decode(b"", final=True) if finish != "stop_sequence" else ""
         if finish != "stop_sequence" and fed < len(raw):
             push(parser.feed(raw[fed:]))
@@ -427,6 +461,17 @@ class Engine:
         return normalize([*body, Segment(specials.THINK_END, True), Segment(content)])
 
     # ------------------------------------------------------------------ introspection
+
+    def warm_up(self) -> None:
+        """Compile every prefill chunk size and the decode step (before serving), on a
+        throwaway state: the live frontier is untouched."""
+        for size in self.chunk_sizes:
+            state, _ = prefill(self.params, self._empty, [self.tokenizer.bos_id] * size, self.cfg,
+                               chunk_sizes=(size,))  # fmt: skip
+            state.logits.block_until_ready()
+        decode_step(
+            self.params, self._empty, self.tokenizer.bos_id, self.cfg
+        ).logits.block_until_ready()
 
     def logits_for(self, tokens: Sequence[int]) -> np.ndarray:
         """Next-token logits of a cold prefill of `tokens` (fidelity checks)."""

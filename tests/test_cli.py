@@ -64,12 +64,6 @@ def test_tokenize_prints_one_json_line_per_token() -> None:
     assert 128803 not in [r["id"] for r in lines]  # typed text is never a special token
 
 
-def test_serve_is_not_built_yet_and_says_so() -> None:
-    out = run("serve")
-    assert out.returncode != 0
-    assert b"not built yet" in out.stderr
-
-
 def test_tokenizer_train_then_tokenize_with_it(tmp_path: Path) -> None:
     words = ["alpha", "beta", "gamma", "delta", "def", "return", "{", "}", "é", "世界"]
     lines = [" ".join(words[(i * 7 + j) % len(words)] for j in range(10)) for i in range(3000)]

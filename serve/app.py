@@ -1,0 +1,287 @@
+"""The Quart app: thin routes over `EngineWorker`, errors in the Anthropic shape.
+
+Every failure a client can cause is a 4xx with `{"type":"error","error":{…}}`; a stream that
+has started always ends, with an `error` event if something went wrong, so clients never
+hang waiting for `message_stop`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from quart import Quart, Response, request
+
+from ds4jax.chat.anthropic import RequestError, parse_messages_request
+from ds4jax.chat.render import render
+from ds4jax.continuation.evidence import attach_tool_memory
+from ds4jax.engine import EngineError, SamplingParams
+from serve import protocol
+from serve.worker import EngineWorker, Job, Overloaded
+
+log = logging.getLogger("ds4jax.serve")
+
+
+@dataclass
+class ServerConfig:
+    model_name: str = "deepseek-v4-flash"
+    api_key: str | None = None
+    cors: bool = False
+    max_body_bytes: int = 32 * 1024 * 1024
+    ping_interval: float = 4.0
+    min_p: float = 0.05  # the default filter (ds4's); Anthropic has no min_p field
+    aliases: list[str] = field(default_factory=list)
+    state: str = "loading"  # loading → ready
+    created_at: str = "2026-01-01T00:00:00Z"
+
+
+def _err(status: int, message: str, error_type: str | None = None) -> Response:
+    body = protocol.error_body(error_type or protocol.ERROR_TYPES.get(status, "api_error"), message)
+    return Response(json.dumps(body), status=status, content_type="application/json")
+
+
+def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
+    app = Quart(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
+    app.config["BODY_TIMEOUT"] = 600
+    engine = worker.engine
+
+    def model_ids() -> list[str]:
+        return [config.model_name, *config.aliases]
+
+    @app.before_request
+    async def auth() -> Response | None:
+        if request.method == "OPTIONS":
+            return Response("", status=204)
+        if config.api_key is None or request.path == "/health":
+            return None
+        key = request.headers.get("x-api-key")
+        bearer = request.headers.get("authorization", "")
+        if bearer.lower().startswith("bearer "):
+            key = key or bearer[7:].strip()
+        if key != config.api_key:
+            return _err(401, "invalid x-api-key")
+        return None
+
+    @app.after_request
+    async def cors(resp: Response) -> Response:
+        if config.cors:
+            resp.headers["Access-Control-Allow-Origin"] = "*"
+            resp.headers["Access-Control-Allow-Headers"] = "*"
+            resp.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+        return resp
+
+    @app.errorhandler(404)
+    async def not_found(_e: Any) -> Response:
+        return _err(404, f"no route for {request.method} {request.path}")
+
+    @app.errorhandler(405)
+    async def not_allowed(_e: Any) -> Response:
+        return _err(404, f"no route for {request.method} {request.path}")
+
+    @app.errorhandler(413)
+    async def too_large(_e: Any) -> Response:
+        return _err(413, f"request body exceeds {config.max_body_bytes} bytes")
+
+    @app.errorhandler(Exception)
+    async def crashed(e: Exception) -> Response:
+        if hasattr(e, "code") and isinstance(e.code, int) and 400 <= e.code < 500:
+            return _err(e.code, str(getattr(e, "description", e)))
+        log.exception("unhandled error")
+        return _err(500, "internal server error")
+
+    async def read_json() -> Any:
+        raw = await request.get_data()
+        if not raw:
+            raise RequestError("request body is empty")
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise RequestError(f"request body is not valid JSON: {err}") from err
+
+    @app.get("/health")
+    async def health() -> Response:
+        live = engine.live
+        body = {
+            "status": config.state,
+            "queue_depth": worker.depth,
+            "model": config.model_name,
+            "live_tokens": live.pos if live is not None else 0,
+            "context": engine.max_len,
+        }
+        return Response(json.dumps(body), status=200 if config.state == "ready" else 503,
+                        content_type="application/json")  # fmt: skip
+
+    def model_obj(mid: str) -> dict[str, Any]:
+        return {"type": "model", "id": mid, "display_name": mid, "created_at": config.created_at}
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        data = [model_obj(m) for m in model_ids()]
+        body = {
+            "data": data,
+            "has_more": False,
+            "first_id": data[0]["id"],
+            "last_id": data[-1]["id"],
+        }
+        return Response(json.dumps(body), content_type="application/json")
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> Response:
+        if model_id not in model_ids():
+            return _err(404, f"model {model_id!r} not found")
+        return Response(json.dumps(model_obj(model_id)), content_type="application/json")
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens() -> Response:
+        try:
+            req = parse_messages_request(await read_json(), max_context=engine.max_len)
+        except RequestError as err:
+            return _err(err.status, err.message, err.error_type)
+        attach_tool_memory(req.conversation, engine.tool_memory.block_for)
+        n = len(engine.tokenizer.encode_segments(render(req.conversation)))
+        return Response(json.dumps({"input_tokens": n}), content_type="application/json")
+
+    @app.post("/v1/messages")
+    async def messages() -> Response:
+        if config.state != "ready":
+            return _err(503, "the model is still loading")
+        try:
+            body = await read_json()
+            req = parse_messages_request(body, max_context=engine.max_len, require_max_tokens=True)
+            if req.max_tokens is not None and req.max_tokens < 1:
+                raise RequestError("max_tokens: must be >= 1")
+            if req.max_tokens > engine.max_len:
+                raise RequestError(
+                    f"max_tokens: {req.max_tokens} exceeds the context ({engine.max_len})"
+                )
+            has_tools = bool(req.conversation.messages and req.conversation.messages[0].tools)
+            sampling = SamplingParams(
+                temperature=1.0 if req.temperature is None else float(req.temperature),
+                top_k=req.top_k or 0,
+                top_p=1.0 if req.top_p is None else float(req.top_p),
+                min_p=config.min_p,
+            )
+            prepared = engine.prepare(
+                req.conversation,
+                max_tokens=req.max_tokens,
+                has_tools=has_tools,
+                sampling=sampling,
+                stop_sequences=req.stop_sequences,
+                thinking_budget=req.thinking_budget,
+                tool_choice=req.tool_choice,
+            )
+        except RequestError as err:
+            return _err(err.status, err.message, err.error_type)
+        except EngineError as err:
+            return _err(err.status, err.message, err.error_type)
+        job = Job(prepared, asyncio.get_running_loop())
+        job.forced_tokens = app.config.get("TEST_FORCED_TOKENS_HOOK", lambda _b: None)(body)
+        try:
+            worker.submit(job)
+        except Overloaded as err:
+            return _err(503, str(err))
+        msg_id = protocol.new_message_id()
+        model_name = req.model
+        if req.stream:
+            return await _stream(job, msg_id, model_name)
+        return await _complete(job, msg_id, model_name)
+
+    async def _next(job: Job, timeout: float | None) -> tuple[str, Any] | None:
+        try:
+            return await asyncio.wait_for(job.events.get(), timeout)
+        except TimeoutError:
+            return None
+
+    async def _complete(job: Job, msg_id: str, model_name: str) -> Response:
+        try:
+            while True:
+                kind, payload = await job.events.get()
+                if kind == "done":
+                    return Response(json.dumps(protocol.final_message(msg_id, model_name, payload)),
+                                    content_type="application/json")  # fmt: skip
+                if kind == "error":
+                    return _engine_error(payload)
+        except asyncio.CancelledError:
+            job.cancel.set()
+            raise
+
+    def _engine_error(err: Exception) -> Response:
+        if isinstance(err, EngineError):
+            return _err(err.status, err.message, err.error_type)
+        if isinstance(err, Overloaded):
+            return _err(503, str(err))
+        log.error("request failed: %r", err)
+        return _err(500, f"generation failed: {type(err).__name__}")
+
+    async def _stream(job: Job, msg_id: str, model_name: str) -> Response:
+        # Wait briefly for the decision so a 409 can still be a real HTTP status; a request
+        # that stays queued longer gets its stream (and pings) right away.
+        first = await _next(job, 1.0)
+        while first is not None and first[0] in ("queued", "progress"):
+            first = await _next(job, 1.0)
+        if first is not None and first[0] == "error":
+            return _engine_error(first[1])
+
+        async def frames():
+            projector = protocol.StreamProjector()
+            started = False
+            pending = [first] if first is not None else []
+            try:
+                while True:
+                    item = pending.pop(0) if pending else await _next(job, config.ping_interval)
+                    if item is None:
+                        yield protocol.PING
+                        continue
+                    kind, payload = item
+                    if kind == "decided":
+                        decision, prefill_n = payload
+                        yield protocol.message_start(msg_id, model_name, decision.cached, prefill_n)
+                        started = True
+                    elif kind == "progress":
+                        yield protocol.PING
+                    elif kind == "event":
+                        for frame in projector.feed(payload):
+                            yield frame
+                    elif kind == "done":
+                        if not started:
+                            yield protocol.message_start(
+                                msg_id, model_name, payload.cached, payload.prefilled
+                            )
+                        for frame in projector.finish():
+                            yield frame
+                        for frame in protocol.message_end(payload):
+                            yield frame
+                        return
+                    elif kind == "error":
+                        err = payload
+                        if isinstance(err, EngineError):
+                            yield protocol.error_event(err.error_type, err.message)
+                        else:
+                            yield protocol.error_event(
+                                "api_error", f"generation failed: {type(err).__name__}"
+                            )
+                        return
+            except asyncio.CancelledError:  # the client went away: stop generating
+                job.cancel.set()
+                raise
+
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        resp = Response(frames(), content_type="text/event-stream", headers=headers)
+        resp.timeout = None
+        return resp
+
+    app.worker = worker  # type: ignore[attr-defined]
+    app.server_config = config  # type: ignore[attr-defined]
+    return app
+
+
+async def warm_up(worker: EngineWorker) -> float:
+    """Compile every prefill chunk size and the decode step before serving."""
+    t0 = time.perf_counter()
+    await asyncio.get_running_loop().run_in_executor(None, worker.engine.warm_up)
+    return time.perf_counter() - t0

@@ -1,0 +1,138 @@
+"""`ds4jax serve`: load (or build) the model, warm it up, serve the Quart app with Hypercorn."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ds4jax.chat.tokenizer import load_tokenizer
+from ds4jax.engine import Engine
+from serve.app import ServerConfig, create_app
+from serve.worker import EngineWorker
+
+log = logging.getLogger("ds4jax.serve")
+
+DEFAULT_CONFIG = "tiny"
+DEFAULT_SEED = 0
+
+
+def add_arguments(sp: argparse.ArgumentParser) -> None:
+    src = sp.add_mutually_exclusive_group()
+    src.add_argument("--model", help="checkpoint directory (Orbax, transformers or official)")
+    src.add_argument(
+        "--config", help=f"named config with random weights (default {DEFAULT_CONFIG})"
+    )
+    sp.add_argument("--seed", type=int, default=DEFAULT_SEED, help="weights seed with --config")
+    sp.add_argument("--host", default="127.0.0.1")
+    sp.add_argument("--port", type=int, default=8000)
+    sp.add_argument("--ctx", type=int, default=8192, help="context size in tokens")
+    sp.add_argument("--api-key", default=os.environ.get("DS4JAX_API_KEY"),
+                    help="require this key (x-api-key or Bearer); env DS4JAX_API_KEY")  # fmt: skip
+    sp.add_argument("--model-name", default="deepseek-v4-flash", help="the model id served")
+    sp.add_argument("--kv-disk-dir", default=None, help="disk checkpoints (disk issue)")
+    sp.add_argument("--kv-disk-space-mb", type=int, default=4096)
+    sp.add_argument("--trace", default=None, help="append JSON lines per request to FILE")
+    sp.add_argument("--cors", action="store_true", help="send permissive CORS headers")
+    sp.add_argument("--queue", type=int, default=16, help="max queued requests (then 503)")
+    sp.add_argument("--log-level", default="INFO")
+
+
+def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
+    import jax.numpy as jnp
+
+    from ds4jax.config import load_config
+    from ds4jax.model.checkpoint import load_any
+    from ds4jax.model.params import init_params
+
+    if args.model:
+        cfg, params = load_any(args.model, dtype=jnp.float32)
+        tok_dir = Path(args.model)
+        tokenizer = load_tokenizer(tok_dir if (tok_dir / "tokenizer.json").is_file() else None)
+        banner = f"model {args.model}"
+    else:
+        name = args.config or DEFAULT_CONFIG
+        cfg = load_config(name)
+        params = init_params(cfg, seed=args.seed)
+        tokenizer = load_tokenizer(None)
+        banner = (
+            f"config {name!r} with RANDOM weights (seed {args.seed}): it shows the plumbing, "
+            "its text is noise"
+        )
+    return Engine(cfg, params, tokenizer, max_len=args.ctx), banner
+
+
+def trace_hook(path: str):
+    def write(job: Any, result: Any) -> None:
+        rec = {
+            "time": time.time(),
+            "prompt": "".join(s.text for s in job.prepared.view.segments),
+            "prompt_tokens": job.prepared.prompt_tokens,
+        }
+        if isinstance(result, Exception):
+            rec["error"] = repr(result)
+        else:
+            rec |= {
+                "source": result.source.value,
+                "cached": result.cached,
+                "prefilled": result.prefilled,
+                "output_tokens": result.output_tokens,
+                "finish": result.finish,
+                "prefill_seconds": round(result.prefill_seconds, 4),
+                "text": result.raw_text,
+            }
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+
+    return write
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config as HyperConfig
+
+    t0 = time.perf_counter()
+    engine, banner = build_engine(args)
+    print(f"ds4jax: {banner}", file=sys.stderr, flush=True)
+    worker = EngineWorker(engine, max_queue=args.queue)
+    if args.trace:
+        worker.hooks.append(trace_hook(args.trace))
+    config = ServerConfig(model_name=args.model_name, api_key=args.api_key, cors=args.cors)
+    app = create_app(worker, config)
+
+    hc = HyperConfig()
+    hc.bind = [f"{args.host}:{args.port}"]
+    hc.accesslog = None
+    hc.graceful_timeout = 5
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        worker.start()
+        server = asyncio.ensure_future(hypercorn_serve(app, hc, shutdown_trigger=stop.wait))
+        print("ds4jax: compiling and warming up …", file=sys.stderr, flush=True)
+        await loop.run_in_executor(None, engine.warm_up)
+        config.state = "ready"
+        print(
+            f"ds4jax: ready on http://{args.host}:{args.port} ({time.perf_counter() - t0:.1f}s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        await server
+        worker.stop()
+        print("ds4jax: stopped", file=sys.stderr, flush=True)
+
+    asyncio.run(main())
+    return 0
