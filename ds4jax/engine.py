@@ -249,10 +249,20 @@ class Engine:
             raise EngineError(decision.status, decision.message, decision.error_type)
 
         # ---- the base state and the suffix
+        if decision.source == CacheSource.DISK:
+            try:
+                disk_state = decision.disk.load()
+            except Exception as err:  # a checkpoint that cannot load is never served
+                log.warning(
+                    "kv store: load of %s failed (%s); cold prefill", decision.disk.key, err
+                )
+                decision = Decision(CacheSource.COLD, (), suffix_tokens=prepared.view.tokens)
         if decision.source == CacheSource.COLD:
             base_state, base_segments = self._empty, ()
         elif decision.source == CacheSource.DISK:
-            base_state, base_segments = decision.disk.load(), decision.disk.segments
+            base_state, base_segments = disk_state, decision.disk.segments
+            for tid, block in decision.disk.tool_entries.items():
+                self.tool_memory.remember([tid], block)
         else:
             assert self.live is not None
             base_state, base_segments = self.live.state, self.live.segments
@@ -283,14 +293,34 @@ class Engine:
         if on_decision is not None:
             on_decision(decision, len(suffix))
 
-        # ---- prefill the suffix
+        # A miss replaces the live frontier: keep it on disk first, so a client that comes
+        # back to that conversation finds it (ds4's "evict" save).
+        live = self.live
+        if decision.source in (CacheSource.DISK, CacheSource.COLD) and live and live.pos:
+            self._save(live.tokens, live.state, "evict")
+
+        # ---- prefill the suffix, stopping at the store's save points
         t0 = time.perf_counter()
         state = base_state
-        if suffix:
+        done = len(decision.base)
+        cuts = self._save_points(decision, tokens)
+        for cut in [*sorted(cuts), len(tokens)]:
+            if cut <= done:
+                continue
             state, _ = prefill(
-                self.params, state, suffix, self.cfg, chunk_sizes=self.chunk_sizes,
-                progress=progress,
+                self.params, state, tokens[done:cut], self.cfg, chunk_sizes=self.chunk_sizes,
+                progress=(lambda d, _t, o=done: progress(o + d - len(decision.base), len(suffix)))
+                if progress else None,
             )  # fmt: skip
+            done = cut
+            if cut in cuts:
+                self._save(
+                    tuple(tokens[:cut]),
+                    state,
+                    "cold"
+                    if cut == cuts[0] and decision.source == CacheSource.COLD
+                    else "continued",
+                )
         state.logits.block_until_ready()
         prefill_seconds = time.perf_counter() - t0
         log.info("prompt done %.3fs", prefill_seconds)
@@ -459,6 +489,39 @@ class Engine:
         if body and body[-1] == Segment(specials.THINK_START, True):
             body.pop()
         return normalize([*body, Segment(specials.THINK_END, True), Segment(content)])
+
+    # ------------------------------------------------------------------ disk hooks
+
+    def _save_points(self, decision: Decision, tokens: list[int]) -> dict[int, str]:
+        """Positions inside this prefill where the store wants a checkpoint (→ reason): the
+        cold save point of a cold prefill, and every multiple of the continued interval."""
+        points: dict[int, str] = {}
+        every = self.store.continued_every
+        if every:
+            first = (decision.cached // every + 1) * every
+            points |= dict.fromkeys(range(first, len(tokens), every), "continued")
+        if decision.source == CacheSource.COLD:
+            cut = self.store.cold_cut(tuple(tokens), normalize(self._segments_of(tokens)))
+            if cut:
+                points[cut] = "cold"
+        return {p: r for p, r in points.items() if decision.cached < p < len(tokens)}
+
+    def _save(self, tokens: tuple[int, ...], state: Any, reason: str) -> None:
+        """Hand a state to the store. Never rolls the live state back; a failing store is
+        logged, not raised: serving goes on without the checkpoint."""
+        try:
+            self.store.save(
+                tokens, normalize(self._segments_of(tokens)), state, reason, self.tool_memory
+            )
+        except Exception as err:
+            log.warning("kv store: %s save of %d tokens failed: %s", reason, len(tokens), err)
+
+    def shutdown(self) -> None:
+        """Clean exit: persist the live frontier (the store decides whether to keep it)."""
+        with self._lock:
+            live = self.live
+            if live is not None and live.pos:
+                self._save(live.tokens, live.state, "shutdown")
 
     # ------------------------------------------------------------------ introspection
 

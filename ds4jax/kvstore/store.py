@@ -1,14 +1,15 @@
-"""The disk checkpoint store as the decision procedure sees it.
+"""The disk checkpoint store as the engine sees it.
 
 The decision asks one question — the longest stored checkpoint whose rendered text is a byte
-prefix of the request's — and the engine may ask the store to keep the live state before
-replacing it. The Orbax-backed implementation arrives with the disk-checkpoint issue; until
-then `NoStore` answers "nothing stored".
+prefix of the request's — and the engine hands the store states to keep: at the store's cold
+save point of a cold prefill, at every multiple of its continued interval, before a miss
+replaces the live frontier (evict), and on a clean exit (shutdown). `NoStore` is the store
+when serving without `--kv-disk-dir`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ds4jax.chat.segments import Segment
@@ -20,21 +21,52 @@ class DiskHit:
     tokens: tuple[int, ...]
     segments: tuple[Segment, ...]  # the rendered text of `tokens`, as segments
     load: Any  # () -> DecodeState, called only if the decision picks this hit
+    tool_entries: dict[str, str] = field(default_factory=dict)  # tool id → DSML block
 
 
 class KVStore(Protocol):
-    def lookup(self, segments: tuple[Segment, ...]) -> DiskHit | None: ...
+    #: save a "continued" checkpoint whenever the live length reaches a multiple of this
+    #: (0 = never)
+    continued_every: int
+
+    def lookup(self, segments: tuple[Segment, ...]) -> DiskHit | None:
+        """The longest checkpoint whose text is a prefix of `segments`' text."""
+        ...
+
+    def cold_cut(self, tokens: tuple[int, ...], segments: tuple[Segment, ...]) -> int | None:
+        """Where a cold prefill of `tokens` should stop for a "cold" save, if anywhere."""
+        ...
 
     def save(
-        self, tokens: tuple[int, ...], segments: tuple[Segment, ...], state: Any, reason: str
-    ) -> None: ...
+        self,
+        tokens: tuple[int, ...],
+        segments: tuple[Segment, ...],
+        state: Any,
+        reason: str,
+        tool_memory: Any,
+    ) -> None:
+        """Persist `state`, which holds exactly `tokens` (reasons: cold, continued, evict,
+        shutdown); `tool_memory` supplies the entries whose DSML the text contains."""
+        ...
 
 
 class NoStore:
+    """No disk: nothing is found, nothing is kept."""
+
+    continued_every = 0
+
     def lookup(self, segments: tuple[Segment, ...]) -> DiskHit | None:
         return None
 
+    def cold_cut(self, tokens: tuple[int, ...], segments: tuple[Segment, ...]) -> int | None:
+        return None
+
     def save(
-        self, tokens: tuple[int, ...], segments: tuple[Segment, ...], state: Any, reason: str
+        self,
+        tokens: tuple[int, ...],
+        segments: tuple[Segment, ...],
+        state: Any,
+        reason: str,
+        tool_memory: Any,
     ) -> None:
         return None
