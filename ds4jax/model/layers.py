@@ -303,13 +303,18 @@ def moe(cfg: Config, p: Params, x: jax.Array, tokens: jax.Array, hashed: bool) -
         _, sel = jax.lax.top_k(prob + p["gate_bias"], k)
     w = jnp.take_along_axis(prob, sel, axis=-1)
     w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
-    if T * k <= E:  # few tokens (decode): read only the selected experts
-        h = _swiglu(
-            cfg,
-            jnp.einsum("td,tkfd->tkf", x, p["w1"][sel]),
-            jnp.einsum("td,tkfd->tkf", x, p["w3"][sel]),
-        )
-        routed = jnp.einsum("tkf,tkdf->td", h * w[..., None], p["w2"][sel])
+    if T * k <= E:  # few tokens (decode): read only the selected experts' weights
+        routed = jnp.zeros_like(x)
+        for t in range(T):
+            acc = jnp.zeros_like(x[t])
+            for j in range(k):
+                e = sel[t, j]
+                w1 = jax.lax.dynamic_index_in_dim(p["w1"], e, 0, keepdims=False)
+                w3 = jax.lax.dynamic_index_in_dim(p["w3"], e, 0, keepdims=False)
+                w2 = jax.lax.dynamic_index_in_dim(p["w2"], e, 0, keepdims=False)
+                h = _swiglu(cfg, w1 @ x[t], w3 @ x[t])
+                acc = acc + w[t, j] * (w2 @ h)
+            routed = routed.at[t].set(acc)
     else:
         # Many tokens (prefill): every expert over every token as three plain GEMMs, with
         # weight 0 where a token is not routed. On XLA:CPU this beats sorting tokens into
