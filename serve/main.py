@@ -131,7 +131,10 @@ def serve(args: argparse.Namespace) -> int:
             flush=True,
         )
         await server
-        worker.stop()
+        # cancel the running request at its next step, refuse queued ones, then let the
+        # store keep the live frontier (the shutdown save)
+        await loop.run_in_executor(None, worker.stop)
+        await loop.run_in_executor(None, engine.shutdown)
         print("ds4jax: stopped", file=sys.stderr, flush=True)
 
     asyncio.run(main())
