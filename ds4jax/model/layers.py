@@ -7,13 +7,13 @@ one. Weights are stored `[out, in]` as in the checkpoints. All math is float32.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ds4jax import pallas_kernels
 from ds4jax.config import Config
 from ds4jax.model import quant_sim
 from ds4jax.model.rope import apply_rope, inv_freqs
@@ -203,17 +203,17 @@ def attention(
     key_ok = jnp.concatenate([ring_pos >= 0, valid])
     qp = positions[:, None]
     raw_mask = key_ok[None, :] & (key_pos[None, :] <= qp) & (key_pos[None, :] > qp - W)
-    scale = 1.0 / math.sqrt(hd)
-    s_raw = jnp.einsum("thd,kd->thk", q, keys) * scale
-    s_raw = jnp.where(raw_mask[:, None, :], s_raw, NEG_INF)
+    sink = p["attn_sink"]
+    attend = pallas_kernels.select(cfg.attention_impl, "sink_attention")
 
     j = jnp.arange(T)
     write = valid & (j >= n_valid - W)
     raw = ls.raw.at[jnp.where(write, jnp.mod(n + j, W), W)].set(kv, mode="drop")
     new = LayerState(raw)
 
-    parts_s, parts_v = [s_raw], [None]
-    if kind != "sliding":
+    if kind == "sliding":
+        o = attend(q, keys, raw_mask, sink)
+    else:
         r, c = cfg.compress_ratios[layer], (2 if kind == "csa" else 1)
         cp = p["compressor"]
         ckv = linear(x, cp["wkv"])
@@ -226,9 +226,9 @@ def attention(
         new.comp, new.comp_kv, new.comp_score = comp, st_kv, st_sc
         visible = jnp.arange(comp.shape[0])[None, :] < (qp + 1) // r  # [T, cap]
         if kind == "hca":
-            s_c = jnp.einsum("thd,cd->thc", q, comp) * scale
-            parts_s.append(jnp.where(visible[:, None, :], s_c, NEG_INF))
-            parts_v.append(comp)
+            o = attend(
+                q, jnp.concatenate([keys, comp]), jnp.concatenate([raw_mask, visible], 1), sink
+            )
         else:
             ip = p["indexer"]
             icp = ip["compressor"]
@@ -241,42 +241,24 @@ def attention(
                 finish=_finish_rows(cfg, icp["norm"], freqs, quant_sim.idxq),
             )  # fmt: skip
             new.idx, new.idx_kv, new.idx_score = idx, ist_kv, ist_sc
-            iq = apply_rope(
-                linear(qr, ip["wq_b"]).reshape(T, cfg.index_heads, ihd), positions, freqs
-            )
+            iq = linear(qr, ip["wq_b"]).reshape(T, cfg.index_heads, ihd)
+            iq = apply_rope(iq, positions, freqs)
             if cfg.quant_sim:
                 iq = quant_sim.idxq(iq)
             w = linear(x, ip["weights_proj"]) * (cfg.index_heads**-0.5)
-            isc = jax.nn.relu(jnp.einsum("thd,cd->thc", iq, idx)) * (ihd**-0.5)
-            isc = jnp.where(visible, jnp.einsum("th,thc->tc", w, isc), NEG_INF)
+            isc = pallas_kernels.select(cfg.attention_impl, "indexer_scores")(iq, w, idx, visible)
             k = min(cfg.index_topk, idx.shape[0])
             top_v, top_i = jax.lax.top_k(isc, k)
             chosen = jnp.isfinite(top_v)
             if _gather_selected(cfg, idx.shape[0], k):
-                sel = comp[top_i]  # [T, k, hd]
-                s_c = jnp.einsum("thd,tkd->thk", q, sel) * scale
-                parts_s.append(jnp.where(chosen[:, None, :], s_c, NEG_INF))
-                parts_v.append(sel)
+                sparse = pallas_kernels.select(cfg.attention_impl, "sparse_attention")
+                o = sparse(q, keys, raw_mask, comp, top_i, chosen, sink)
             else:
                 mask = jnp.zeros(isc.shape, bool).at[jnp.arange(T)[:, None], top_i].set(chosen)
-                s_c = jnp.einsum("thd,cd->thc", q, comp) * scale
-                parts_s.append(jnp.where(mask[:, None, :], s_c, NEG_INF))
-                parts_v.append(comp)
-
-    sink = p["attn_sink"][None, :]  # [1, H]
-    m = jnp.maximum(jnp.max(jnp.concatenate(parts_s, axis=-1), axis=-1), sink)  # [T, H]
-    denom = jnp.exp(sink - m)
-    o = jnp.zeros((T, H, hd), x.dtype)
-    for s, v in zip(parts_s, parts_v, strict=True):
-        e = jnp.exp(s - m[..., None])
-        denom = denom + jnp.sum(e, axis=-1)
-        if v is None:
-            o = o + jnp.einsum("thk,kd->thd", e, keys)
-        elif v.ndim == 2:
-            o = o + jnp.einsum("thk,kd->thd", e, v)
-        else:
-            o = o + jnp.einsum("thk,tkd->thd", e, v)
-    o = apply_rope(o / denom[..., None], positions, freqs, inverse=True)
+                o = attend(
+                    q, jnp.concatenate([keys, comp]), jnp.concatenate([raw_mask, mask], 1), sink
+                )
+    o = apply_rope(o, positions, freqs, inverse=True)
 
     G = cfg.o_groups
     grouped = o.reshape(T, G, (H // G) * hd)

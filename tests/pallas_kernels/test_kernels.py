@@ -1,0 +1,112 @@
+"""Each Pallas kernel (interpret mode on CPU) against its jnp twin, and the whole model with
+the attention switch flipped."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ds4jax.model.forward import prefill
+from ds4jax.model.params import init_params
+from ds4jax.model.state import init_state
+from ds4jax.pallas_kernels.indexer_scores import indexer_scores, indexer_scores_reference
+from ds4jax.pallas_kernels.sink_attention import (
+    BlockSizes,
+    sink_attention,
+    sink_attention_reference,
+)
+from ds4jax.pallas_kernels.sparse_attention import sparse_attention, sparse_attention_reference
+from tests.model.conftest import small_config
+
+SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _arrays(seed: int, *shapes):
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    return [jax.random.normal(k, s) for k, s in zip(keys, shapes, strict=True)]
+
+
+def _close(a, b, tol=1e-5):
+    a, b = np.asarray(a), np.asarray(b)
+    assert np.array_equal(np.isinf(a), np.isinf(b))
+    fin = np.isfinite(b)
+    assert np.abs(a[fin] - b[fin]).max(initial=0.0) <= tol
+
+
+@SETTINGS
+@given(
+    T=st.sampled_from([1, 3, 8, 17]),
+    K=st.sampled_from([1, 7, 31, 129, 200]),  # around block and window boundaries
+    H=st.sampled_from([1, 4]),
+    density=st.sampled_from([0.0, 0.3, 1.0]),  # 0.0: only the sink (empty key sets)
+    blocks=st.sampled_from([BlockSizes(8, 128), BlockSizes(2, 16), BlockSizes(5, 7)]),
+    seed=st.integers(0, 3),
+)
+def test_sink_attention_matches_its_twin(T, K, H, density, blocks, seed) -> None:
+    q, k, s = _arrays(seed, (T, H, 32), (K, 32), (H,))
+    mask = jax.random.bernoulli(jax.random.key(seed + 9), density, (T, K))
+    out = sink_attention(q, k, mask, s, block_sizes=blocks, interpret=True)
+    _close(out, sink_attention_reference(q, k, mask, s))
+
+
+@SETTINGS
+@given(
+    T=st.sampled_from([1, 4, 9]),
+    C=st.sampled_from([1, 5, 130]),
+    IH=st.sampled_from([1, 16]),
+    density=st.sampled_from([0.0, 0.5, 1.0]),
+    seed=st.integers(0, 3),
+)
+def test_indexer_scores_match_their_twin(T, C, IH, density, seed) -> None:
+    q, w, rows = _arrays(seed, (T, IH, 32), (T, IH), (C, 32))
+    visible = jax.random.bernoulli(jax.random.key(seed + 5), density, (T, C))
+    _close(
+        indexer_scores(q, w, rows, visible, interpret=True),
+        indexer_scores_reference(q, w, rows, visible),
+    )
+
+
+@SETTINGS
+@given(
+    T=st.sampled_from([1, 3, 6]),
+    Kr=st.sampled_from([1, 9, 40]),
+    C=st.sampled_from([1, 6, 50]),
+    k=st.sampled_from([1, 4]),
+    density=st.sampled_from([0.0, 0.6]),
+    seed=st.integers(0, 3),
+)
+def test_sparse_attention_matches_its_twin(T, Kr, C, k, density, seed) -> None:
+    q, keys, rows, sink = _arrays(seed, (T, 4, 32), (Kr, 32), (C, 32), (4,))
+    mask = jax.random.bernoulli(jax.random.key(seed + 1), density, (T, Kr))
+    idx = jax.random.randint(jax.random.key(seed + 2), (T, k), 0, C)  # duplicates allowed
+    valid = jax.random.bernoulli(jax.random.key(seed + 3), 0.7, (T, k))
+    _close(
+        sparse_attention(q, keys, mask, rows, idx, valid, sink, interpret=True),
+        sparse_attention_reference(q, keys, mask, rows, idx, valid, sink),
+    )
+
+
+def test_whole_model_logits_with_the_switch_flipped() -> None:
+    toks = np.random.default_rng(0).integers(0, 512, 37)
+    # max_len 64 attends through the CSA selection mask; 1400 gives enough compressed rows
+    # that CSA gathers each query's picks (the sparse kernel)
+    for max_len in (64, 1400):
+        outs = []
+        for impl in ("xla", "pallas"):
+            cfg = small_config(quant_sim=False, attention_impl=impl)
+            params = init_params(cfg, seed=11)
+            _, logits = prefill(
+                params, init_state(cfg, max_len), toks, cfg, chunk_sizes=(16,), all_logits=True
+            )
+            outs.append(np.asarray(logits))
+        assert np.abs(outs[0] - outs[1]).max() <= 1e-5, max_len
+
+
+def test_auto_uses_the_twins_on_cpu() -> None:
+    from ds4jax.pallas_kernels import select
+
+    assert select("auto", "sink_attention") is sink_attention_reference
+    assert jnp.asarray(0).device.platform == "cpu"
