@@ -314,13 +314,7 @@ class Engine:
             )  # fmt: skip
             done = cut
             if cut in cuts:
-                self._save(
-                    tuple(tokens[:cut]),
-                    state,
-                    "cold"
-                    if cut == cuts[0] and decision.source == CacheSource.COLD
-                    else "continued",
-                )
+                self._save(tuple(tokens[:cut]), state, cuts[cut])
         state.logits.block_until_ready()
         prefill_seconds = time.perf_counter() - t0
         log.info("prompt done %.3fs", prefill_seconds)
@@ -504,7 +498,12 @@ class Engine:
             cut = self.store.cold_cut(tuple(tokens), normalize(self._segments_of(tokens)))
             if cut:
                 points[cut] = "cold"
-        return {p: r for p, r in points.items() if decision.cached < p < len(tokens)}
+        # a short prompt's cold point is its end: saved whole, after the prefill
+        return {
+            p: r
+            for p, r in points.items()
+            if decision.cached < p < len(tokens) or (r == "cold" and p == len(tokens))
+        }
 
     def _save(self, tokens: tuple[int, ...], state: Any, reason: str) -> None:
         """Hand a state to the store. Never rolls the live state back; a failing store is

@@ -66,7 +66,21 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
             f"config {name!r} with RANDOM weights (seed {args.seed}): it shows the plumbing, "
             "its text is noise"
         )
-    return Engine(cfg, params, tokenizer, max_len=args.ctx), banner
+    store = None
+    if args.kv_disk_dir:
+        from ds4jax.kvstore.disk import DiskStore
+
+        store = DiskStore.for_model(
+            args.kv_disk_dir, cfg, params, tokenizer, max_len=args.ctx,
+            budget_mb=args.kv_disk_space_mb,
+        )  # fmt: skip
+    engine = Engine(cfg, params, tokenizer, max_len=args.ctx, store=store)
+    if store is not None:
+        # exact DSML replay survives a restart: tool ids → sampled bytes, before any request
+        for tid, block in store.tool_entries().items():
+            engine.tool_memory.remember([tid], block)
+        banner += f"; disk checkpoints in {args.kv_disk_dir}"
+    return engine, banner
 
 
 def trace_hook(path: str):

@@ -4,7 +4,14 @@ The decision asks one question — the longest stored checkpoint whose rendered 
 prefix of the request's — and the engine hands the store states to keep: at the store's cold
 save point of a cold prefill, at every multiple of its continued interval, before a miss
 replaces the live frontier (evict), and on a clean exit (shutdown). `NoStore` is the store
-when serving without `--kv-disk-dir`.
+when serving without `--kv-disk-dir`; `ds4jax.kvstore.disk.DiskStore` the one with it.
+
+Contract the engine relies on: `lookup` only returns checkpoints of this model that fit the
+context, whose text is a segment-wise prefix of the request's (`strip_prefix` succeeds);
+`DiskHit.load()` returns a state of the capacity of `init_state(cfg, max_len)` holding
+exactly `DiskHit.tokens`, or raises (never a partial or unverified state); `cold_cut` may
+return `len(tokens)` (save after the whole prefill); `save` never raises for an I/O failure
+and never keeps a state whose `pos` is not `len(tokens)`.
 """
 
 from __future__ import annotations
