@@ -23,6 +23,8 @@ def _read_body(path: str) -> Any:
     data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
     try:
         return json.loads(data)
+    except RecursionError as err:
+        raise RequestError("request body is nested too deeply") from err
     except ValueError as err:
         raise RequestError(f"request body is not valid JSON: {err}") from err
 

@@ -100,6 +100,8 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
             raise RequestError("request body is empty")
         try:
             return json.loads(raw)
+        except RecursionError as err:
+            raise RequestError("request body is nested too deeply") from err
         except (ValueError, UnicodeDecodeError) as err:
             raise RequestError(f"request body is not valid JSON: {err}") from err
 
@@ -155,9 +157,13 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
             req = parse_messages_request(body, max_context=engine.max_len, require_max_tokens=True)
             if req.max_tokens is not None and req.max_tokens < 1:
                 raise RequestError("max_tokens: must be >= 1")
-            if req.max_tokens > engine.max_len:
+            # Claude Code always asks for 32000: anything up to the model's position limit
+            # is clamped to the room left in the context (decoding stops there); beyond it
+            # the value is nonsense
+            if req.max_tokens > engine.cfg.max_position_embeddings:
                 raise RequestError(
-                    f"max_tokens: {req.max_tokens} exceeds the context ({engine.max_len})"
+                    f"max_tokens: {req.max_tokens} exceeds the model's maximum "
+                    f"({engine.cfg.max_position_embeddings})"
                 )
             has_tools = bool(req.conversation.messages and req.conversation.messages[0].tools)
             sampling = SamplingParams(
@@ -192,8 +198,11 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
         return await _complete(job, msg_id, model_name)
 
     async def _next(job: Job, timeout: float | None) -> tuple[str, Any] | None:
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation
+        # that lands in the same loop step as the event, and a disconnect would go unnoticed
         try:
-            return await asyncio.wait_for(job.events.get(), timeout)
+            async with asyncio.timeout(timeout):
+                return await job.events.get()
         except TimeoutError:
             return None
 
@@ -230,8 +239,15 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
         async def frames():
             projector = protocol.StreamProjector()
             started = False
+            finished = False
             pending = [first] if first is not None else []
             try:
+                if first is None:
+                    # still queued: open with message_start now (usage provisional: the
+                    # whole prompt; the final message_delta carries the exact split)
+                    n = job.prepared.prompt_tokens
+                    yield protocol.message_start(msg_id, model_name, 0, n)
+                    started = True
                 while True:
                     item = pending.pop(0) if pending else await _next(job, config.ping_interval)
                     if item is None:
@@ -239,15 +255,19 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
                         continue
                     kind, payload = item
                     if kind == "decided":
-                        decision, prefill_n = payload
-                        yield protocol.message_start(msg_id, model_name, decision.cached, prefill_n)
-                        started = True
-                    elif kind == "progress":
+                        if not started:
+                            decision, prefill_n = payload
+                            yield protocol.message_start(
+                                msg_id, model_name, decision.cached, prefill_n
+                            )
+                            started = True
+                    elif kind in ("progress", "queued"):
                         yield protocol.PING
                     elif kind == "event":
                         for frame in projector.feed(payload):
                             yield frame
                     elif kind == "done":
+                        finished = True
                         if not started:
                             yield protocol.message_start(
                                 msg_id, model_name, payload.cached, payload.prefilled
@@ -258,6 +278,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
                             yield frame
                         return
                     elif kind == "error":
+                        finished = True
                         err = payload
                         if isinstance(err, EngineError):
                             yield protocol.error_event(err.error_type, err.message)
@@ -266,9 +287,9 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
                                 "api_error", f"generation failed: {type(err).__name__}"
                             )
                         return
-            except asyncio.CancelledError:  # the client went away: stop generating
-                job.cancel.set()
-                raise
+            finally:
+                if not finished:  # the client went away (or the stream broke): stop work
+                    job.cancel.set()
 
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         resp = Response(frames(), content_type="text/event-stream", headers=headers)

@@ -28,6 +28,7 @@ Renderings chosen where the official V4 encoder has nothing (documented in the R
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,10 +166,15 @@ def _tools(tools: Any) -> list[ToolSchema]:
 def _tool_choice(choice: Any, tools: list[ToolSchema]) -> dict[str, Any] | None:
     if choice is None:
         return None
-    if not isinstance(choice, dict) or choice.get("type") not in _TOOL_CHOICES:
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if not isinstance(kind, str) or kind not in _TOOL_CHOICES:
         raise _fail("tool_choice", "must be an object with type auto, any, tool or none")
-    if choice["type"] == "tool" and choice.get("name") not in {t.name for t in tools}:
-        raise _fail("tool_choice.name", f"no tool named {choice.get('name')!r}")
+    name = choice.get("name")
+    if kind == "tool" and (not isinstance(name, str) or name not in {t.name for t in tools}):
+        raise _fail("tool_choice.name", f"no tool named {name!r}")
+    dpt = choice.get("disable_parallel_tool_use")
+    if dpt is not None and not isinstance(dpt, bool):
+        raise _fail("tool_choice.disable_parallel_tool_use", "must be a boolean")
     return choice
 
 
@@ -256,7 +262,7 @@ def _thinking(body: dict[str, Any], max_context: int | None) -> tuple[bool, bool
     elif body.get("reasoning_effort") is not None:
         effort = body["reasoning_effort"]
     if effort is not None:
-        if effort not in _EFFORTS:
+        if not isinstance(effort, str) or effort not in _EFFORTS:
             raise _fail("output_config.effort", f"unknown effort {effort!r}")
         explicit = True
         if effort == "none":
@@ -271,6 +277,14 @@ def _thinking(body: dict[str, Any], max_context: int | None) -> tuple[bool, bool
     return thinking, think_max, budget
 
 
+_RANGES = {
+    "temperature": (0.0, 2.0),
+    "top_p": (0.0, 1.0),
+    "top_k": (0, None),
+    "max_tokens": (None, None),
+}
+
+
 def _number(body: dict[str, Any], key: str, kind: type) -> Any:
     value = body.get(key)
     if value is None:
@@ -278,6 +292,16 @@ def _number(body: dict[str, Any], key: str, kind: type) -> Any:
     ok = isinstance(value, (int, float) if kind is float else int)
     if not ok or isinstance(value, bool):
         raise _fail(key, f"must be a{'n integer' if kind is int else ' number'}")
+    if kind is float:
+        try:
+            value = float(value)
+        except OverflowError as err:
+            raise _fail(key, "is out of range") from err
+        if not math.isfinite(value):
+            raise _fail(key, "must be finite")
+    lo, hi = _RANGES.get(key, (None, None))
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise _fail(key, f"must be between {lo} and {hi}" if hi is not None else f"must be >= {lo}")
     return value
 
 

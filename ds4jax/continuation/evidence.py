@@ -47,12 +47,15 @@ def validate_tool_results(conv: Conversation, live_ids: Collection[str]) -> bool
 
 
 def _tail_start(conv: Conversation) -> int | None:
-    """Start of the trailing run of user / latest_reminder turns holding tool results,
-    right after an assistant turn."""
+    """Start of the trailing run of user / latest_reminder turns holding tool results, right
+    after an assistant turn — or after only the system turn: a tool-result-only request,
+    which exists only to continue the live state."""
     i = len(conv.messages)
     while i > 0 and conv.messages[i - 1].role in ("user", "latest_reminder"):
         i -= 1
-    if i == len(conv.messages) or i == 0 or conv.messages[i - 1].role != "assistant":
+    if i == len(conv.messages):
+        return None
+    if i > 0 and conv.messages[i - 1].role not in ("assistant", "system"):
         return None
     if not any(_result_ids(m) for m in conv.messages[i:] if m.role == "user"):
         return None
@@ -72,7 +75,8 @@ def tool_tail(conv: Conversation) -> tuple[tuple[str, ...], tuple[Segment, ...] 
         if m.role == "user":
             ids += [t for t in _result_ids(m) if t not in ids]
     head_msgs = list(conv.messages[:start])
-    head_msgs[-1] = dataclasses.replace(head_msgs[-1], prefill=False)
+    if head_msgs:
+        head_msgs[-1] = dataclasses.replace(head_msgs[-1], prefill=False)
     head = normalize(render(dataclasses.replace(conv, messages=head_msgs)))
     full = normalize(render(conv))
     return tuple(ids), strip_prefix(full, head)

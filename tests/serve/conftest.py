@@ -1,0 +1,359 @@
+"""The Anthropic shim driven by the official `anthropic` SDK.
+
+One real engine on the tiny config (real V4 tokenizer, random weights) and one started
+worker serve the whole module set: in-process through `httpx2.ASGITransport` (no socket),
+and over a real socket through Hypercorn in a thread (the ASGI transport buffers the whole
+response, so a client disconnect mid-stream needs a socket). `ds4jax serve` itself runs as a
+subprocess in `test_socket.py`.
+
+Random weights sample noise, so every test that needs a particular turn teacher-forces it:
+the app's `TEST_FORCED_TOKENS_HOOK` maps a body to forced tokens, and the hook installed
+here reads the text to force from the request field `FORCE_KEY` (sent with the SDK's
+`extra_body`). The hook is test-only; nothing in serve/ reads that field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx2
+import numpy as np
+import pytest
+from quart import Quart
+
+from ds4jax.chat import specials
+from ds4jax.chat.tokenizer import V4Tokenizer
+from ds4jax.config import load_config
+from ds4jax.engine import Engine
+from ds4jax.model.params import init_params
+from serve.app import ServerConfig, create_app
+from serve.worker import EngineWorker
+from tests.continuation.conftest import TOOLS, forced, tool_call_text
+
+__all__ = ["TOOLS", "forced", "tool_call_text"]
+
+MODEL = "deepseek-v4-flash"
+BASE = "http://test"
+FORCE_KEY = "x_ds4jax_test_force"  # read by the test hook only
+NO_THINK = {"type": "disabled"}
+
+
+def force(text: str) -> dict[str, Any]:
+    """`extra_body` that makes the model emit `text` (DSML and think markers as specials)."""
+    return {FORCE_KEY: text}
+
+
+def dsml_call(command: str, name: str = "bash") -> str:
+    """One tool-call block as the model writes it after its reasoning (and any text)."""
+    return (
+        f'\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="{name}">\n'
+        f'<｜DSML｜parameter name="command" string="true">{command}</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+    )
+
+
+def template_special_ids(engine: Engine) -> set[int]:
+    return {engine.tokenizer.special_id(s) for s in specials.TEMPLATE_SPECIALS}
+
+
+def assert_anthropic_error(resp: Any, status: int, error_type: str | None = None) -> str:
+    """A raw response in the Anthropic error shape; returns its message."""
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert body["type"] == "error", body
+    assert isinstance(body["error"], dict), body
+    assert isinstance(body["error"]["type"], str) and body["error"]["type"], body
+    assert isinstance(body["error"]["message"], str), body
+    if error_type is not None:
+        assert body["error"]["type"] == error_type, body
+    return body["error"]["message"]
+
+
+def assert_cold_equivalent(engine: Engine) -> None:
+    """The live frontier equals a cold prefill of its own tokens."""
+    live = engine.live
+    assert live is not None
+    cold = engine.logits_for(live.tokens)
+    assert np.abs(cold - np.asarray(live.state.logits)).max() <= 1e-5
+
+
+# ---------------------------------------------------------------------- engine and worker
+
+
+@pytest.fixture(scope="session")
+def _engine() -> Engine:
+    cfg = load_config("tiny")
+    return Engine(cfg, init_params(cfg, 0), V4Tokenizer(), max_len=2048, chunk_sizes=(16, 64))
+
+
+@pytest.fixture(scope="session")
+def worker(_engine: Engine) -> Iterator[EngineWorker]:
+    w = EngineWorker(_engine, max_queue=16)
+    w.start()
+    yield w
+    w.stop()
+
+
+@pytest.fixture
+def engine(_engine: Engine, worker: EngineWorker) -> Engine:
+    """The shared engine, reset: no live frontier, no bindings, no remembered tool calls."""
+    wait_idle(worker)
+    _engine.reset()
+    _engine.tool_memory = type(_engine.tool_memory)()
+    return _engine
+
+
+def wait_idle(worker: EngineWorker, timeout: float = 30.0) -> None:
+    """Until the worker has no running or queued job (a cancelled stream stops at the next
+    step, a moment after its client went away)."""
+    deadline = time.monotonic() + timeout
+    while worker.depth:
+        assert time.monotonic() < deadline, "the worker is still busy"
+        time.sleep(0.01)
+
+
+class Gate:
+    """While closed, the engine blocks before running each job, so requests queue up behind
+    it; `runs` records the last user text of each job the engine ran, in order."""
+
+    def __init__(self) -> None:
+        self.opened = threading.Event()
+        self.runs: list[str] = []
+
+    def open(self) -> None:
+        self.opened.set()
+
+    def close(self) -> None:
+        self.opened.clear()
+
+
+@pytest.fixture
+def gate(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+    g = Gate()
+    run = engine.run
+
+    def gated(prepared: Any, **kwargs: Any) -> Any:
+        assert g.opened.wait(30), "the test never opened the gate"
+        last = prepared.conversation.messages[-1]
+        g.runs.append(" ".join(b.text for b in last.blocks) or last.content)
+        return run(prepared, **kwargs)
+
+    monkeypatch.setattr(engine, "run", gated)
+    yield g
+    g.open()
+
+
+async def wait_until(predicate: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def make_app(worker: EngineWorker, config: ServerConfig | None = None) -> Quart:
+    config = config or ServerConfig()
+    config.state = "ready"  # no warm-up: each program compiles on first use
+    app = create_app(worker, config)
+    engine = worker.engine
+
+    def hook(body: dict[str, Any]) -> list[int] | None:
+        text = body.get(FORCE_KEY)
+        return forced(engine, text) if isinstance(text, str) else None
+
+    app.config["TEST_FORCED_TOKENS_HOOK"] = hook
+    return app
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def app(engine: Engine, worker: EngineWorker) -> Quart:
+    return make_app(worker)
+
+
+def sdk_client(app: Quart, **kw: Any) -> anthropic.AsyncAnthropic:
+    http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url=BASE)
+    kw.setdefault("api_key", "k")
+    # no retries: the SDK retries 409 and 5xx, which would hide the statuses under test
+    return anthropic.AsyncAnthropic(base_url=BASE, http_client=http, max_retries=0, **kw)
+
+
+@pytest.fixture
+async def client(app: Quart) -> AsyncIterator[anthropic.AsyncAnthropic]:
+    async with sdk_client(app) as c:
+        yield c
+
+
+@pytest.fixture
+async def raw(app: Quart) -> AsyncIterator[httpx2.AsyncClient]:
+    """A plain HTTP client on the same app, for bodies the SDK would refuse to send."""
+    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url=BASE) as c:
+        yield c
+
+
+def user(text: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": text}]
+
+
+def sse_events(body: str) -> list[tuple[str, dict[str, Any]]]:
+    """(event name, data) of each SSE frame; every frame must have both lines."""
+    out = []
+    for frame in body.split("\n\n"):
+        if not frame.strip():
+            continue
+        lines = dict(line.split(": ", 1) for line in frame.strip().split("\n"))
+        assert set(lines) == {"event", "data"}, frame
+        data = json.loads(lines["data"])
+        assert data["type"] == lines["event"], frame
+        out.append((lines["event"], data))
+    return out
+
+
+# ---------------------------------------------------------------------- a real socket
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ThreadServer:
+    """Hypercorn serving an app on 127.0.0.1 from its own thread and event loop."""
+
+    def __init__(self, app: Quart) -> None:
+        from hypercorn.config import Config
+
+        self.app = app
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._cfg = Config()
+        self._cfg.bind = [f"127.0.0.1:{self.port}"]
+        self._cfg.accesslog = None
+        self._cfg.graceful_timeout = 1
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="test-hypercorn", daemon=True)
+
+    def _run(self) -> None:
+        from hypercorn.asyncio import serve
+
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            task = asyncio.ensure_future(
+                serve(self.app, self._cfg, shutdown_trigger=self._stop.wait)
+            )
+            while True:  # ready once the port accepts connections
+                try:
+                    _, w = await asyncio.open_connection("127.0.0.1", self.port)
+                    w.close()
+                    break
+                except OSError:
+                    await asyncio.sleep(0.02)
+            self._ready.set()
+            await task
+
+        asyncio.run(main())
+
+    def __enter__(self) -> ThreadServer:
+        self._thread.start()
+        assert self._ready.wait(30), "hypercorn did not start"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._loop is not None and self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def socket_app(worker: EngineWorker) -> Iterator[ThreadServer]:
+    with ThreadServer(make_app(worker)) as server:
+        yield server
+
+
+# ---------------------------------------------------------------------- `ds4jax serve`
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVE_KEY = "sekrit"
+
+
+class ServeProcess:
+    def __init__(self, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = ("--config", "tiny", "--ctx", "2048", "--port", str(self.port), *args)
+        cmd = [sys.executable, "-m", "ds4jax", "serve", *args]
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if "ready on" in line:
+                self.ready.set()
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.ready.wait(0.2):
+            assert self.proc.poll() is None, f"ds4jax serve exited:\n{self.stderr}"
+            assert time.monotonic() < deadline, f"ds4jax serve never got ready:\n{self.stderr}"
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(30)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+
+_early: list[ServeProcess] = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start `ds4jax serve` as soon as a selected test needs it: its ~30 s warm-up then
+    overlaps the in-process tests instead of adding to them."""
+    if any("served" in getattr(item, "fixturenames", ()) for item in session.items):
+        _early.append(ServeProcess("--api-key", SERVE_KEY))
+
+
+def take_served() -> ServeProcess | None:
+    return _early.pop() if _early else None
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    while _early:  # started but never used (a failure stopped the run first)
+        _early.pop().stop()

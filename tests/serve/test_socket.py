@@ -1,0 +1,308 @@
+"""Over a real socket with the synchronous SDK, and client disconnects.
+
+`ds4jax serve` runs as a user runs it (one subprocess, started with `--api-key` when the
+session starts, see conftest); Hypercorn in a thread serves the shared engine where a test
+must look at the engine after a client went away; one test drives the ASGI app by hand to
+place a disconnect exactly (the race it pins is timing-dependent over a socket)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx2
+import pytest
+
+from ds4jax.engine import Engine
+from serve.worker import EngineWorker
+from tests.serve.conftest import (
+    MODEL,
+    NO_THINK,
+    SERVE_KEY,
+    Gate,
+    ServeProcess,
+    ThreadServer,
+    assert_anthropic_error,
+    assert_cold_equivalent,
+    force,
+    make_app,
+    take_served,
+    user,
+    wait_idle,
+    wait_until,
+)
+
+ITALIAN = "Rispondi in italiano con una frase: chi era Ada Lovelace?"
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[ServeProcess]:
+    """The server conftest started at collection time (it warmed up meanwhile)."""
+    server = take_served() or ServeProcess("--api-key", SERVE_KEY)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def sync_client(served: ServeProcess) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(base_url=served.url, api_key=SERVE_KEY, max_retries=0) as c:
+        yield c
+
+
+def test_serve_prints_ready_and_reports_health(served: ServeProcess) -> None:
+    assert "RANDOM weights" in served.stderr and "ready on" in served.stderr
+    resp = httpx2.get(f"{served.url}/health")  # no key needed
+    assert resp.status_code == 200
+    body = resp.json()
+    assert body["status"] == "ready" and body["context"] == 2048 and body["model"] == MODEL
+
+
+def test_sync_client_create_stream_and_count_over_a_socket(
+    sync_client: anthropic.Anthropic,
+) -> None:
+    msg = sync_client.messages.create(
+        model=MODEL, max_tokens=4, messages=user("hi"), thinking=NO_THINK
+    )
+    assert msg.id.startswith("msg_") and msg.type == "message"
+    assert msg.stop_reason in ("max_tokens", "end_turn")
+    assert msg.usage.output_tokens <= 4 and msg.usage.input_tokens > 0
+    with sync_client.messages.stream(
+        model=MODEL, max_tokens=4, messages=user("hi"), thinking=NO_THINK
+    ) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert final.content[0].type == "text" and final.content[0].text == text
+    assert final.usage.output_tokens <= 4
+    count = sync_client.messages.count_tokens(
+        model=MODEL, messages=user(ITALIAN), thinking=NO_THINK
+    )
+    assert count.input_tokens == 21
+    assert [m.id for m in sync_client.models.list().data] == [MODEL]
+
+
+def test_api_key_flag_requires_the_key_in_either_header(served: ServeProcess) -> None:
+    kw = dict(model=MODEL, max_tokens=2, messages=user("hi"), thinking=NO_THINK)
+    for client in (
+        anthropic.Anthropic(base_url=served.url, api_key="wrong", max_retries=0),
+        anthropic.Anthropic(base_url=served.url, api_key=None, auth_token="wrong", max_retries=0),
+    ):
+        with client, pytest.raises(anthropic.AuthenticationError) as info:
+            client.messages.create(**kw)
+        assert_anthropic_error(info.value.response, 401, "authentication_error")
+    resp = httpx2.post(f"{served.url}/v1/messages", json=kw)  # no key at all
+    assert_anthropic_error(resp, 401, "authentication_error")
+    with anthropic.Anthropic(base_url=served.url, api_key=None, auth_token=SERVE_KEY) as bearer:
+        assert bearer.messages.create(**kw).type == "message"
+    resp = httpx2.post(f"{served.url}/v1/messages", json=kw, headers={"x-api-key": SERVE_KEY})
+    assert resp.status_code == 200
+
+
+def test_unknown_routes_are_404_over_a_socket(served: ServeProcess) -> None:
+    headers = {"x-api-key": SERVE_KEY}
+    assert httpx2.head(f"{served.url}/", headers=headers).status_code == 404  # Claude Code's probe
+    assert_anthropic_error(httpx2.get(f"{served.url}/v1/nope", headers=headers), 404)
+
+
+def test_disconnect_mid_stream_then_the_server_goes_on(
+    served: ServeProcess, sync_client: anthropic.Anthropic
+) -> None:
+    with sync_client.messages.stream(
+        model=MODEL, max_tokens=1500, messages=user("talk"), thinking=NO_THINK
+    ) as stream:
+        for event in stream:
+            if event.type == "text":
+                break  # leaving the block closes the connection
+    deadline = time.monotonic() + 120
+    while httpx2.get(f"{served.url}/health").json()["queue_depth"]:
+        assert time.monotonic() < deadline, "the abandoned request never ended"
+        time.sleep(0.05)
+    msg = sync_client.messages.create(
+        model=MODEL, max_tokens=2, messages=user("again"), thinking=NO_THINK
+    )
+    assert msg.type == "message"
+
+
+def test_sigterm_stops_the_server_cleanly(served: ServeProcess) -> None:
+    """Last in the module: it ends the shared server."""
+    rc = served.stop()
+    assert rc == 0, served.stderr
+    assert "stopped" in served.stderr
+    assert "Traceback" not in served.stderr
+
+
+# ---------------------------------------------------------------------- in-thread Hypercorn
+
+LONG = " ".join(f"w{i}" for i in range(700))  # ~1400 forced tokens
+
+
+@pytest.fixture
+def results(engine: Engine, worker: EngineWorker) -> Iterator[list[Any]]:
+    """The engine results of the jobs the worker finishes during the test."""
+    out: list[Any] = []
+
+    def hook(_job: Any, result: Any) -> None:
+        out.append(result)
+
+    worker.hooks.append(hook)
+    yield out
+    worker.hooks.remove(hook)
+
+
+def test_client_disconnect_mid_stream_keeps_the_frontier_consistent(
+    socket_app: ThreadServer, engine: Engine, worker: EngineWorker, results: list[Any]
+) -> None:
+    with anthropic.Anthropic(base_url=socket_app.url, api_key="k", max_retries=0) as client:
+        with client.messages.stream(
+            model=MODEL,
+            max_tokens=1500,
+            messages=user("talk"),
+            thinking=NO_THINK,
+            extra_body=force(LONG),
+        ) as stream:
+            for event in stream:
+                if event.type == "text":
+                    break
+        wait_idle(worker, timeout=120)
+        (first,) = results
+        # "cancelled", or "end_turn" when the cancellation was swallowed (the race pinned,
+        # deterministically, by test_disconnect_with_events_pending_cancels_generation)
+        assert first.finish in ("cancelled", "end_turn")
+        assert_cold_equivalent(engine)
+        msg = client.messages.create(
+            model=MODEL,
+            max_tokens=4,
+            messages=user("again"),
+            thinking=NO_THINK,
+            extra_body=force("fine"),
+        )
+    assert msg.content[0].text == "fine" and msg.stop_reason == "end_turn"
+    assert_cold_equivalent(engine)
+
+
+def test_non_stream_client_that_gives_up_cancels_generation(
+    socket_app: ThreadServer,
+    engine: Engine,
+    worker: EngineWorker,
+    gate: Gate,
+    results: list[Any],
+) -> None:
+    body = {
+        "model": MODEL,
+        "max_tokens": 1500,
+        "thinking": NO_THINK,
+        "messages": user("talk"),
+        **force(LONG),
+    }
+    with pytest.raises(httpx2.ReadTimeout):  # the job is held at the gate meanwhile
+        httpx2.post(f"{socket_app.url}/v1/messages", json=body, timeout=0.5)
+    job = worker.running
+    assert job is not None
+    deadline = time.monotonic() + 10
+    while not job.cancel.is_set():  # the server noticed the client is gone
+        assert time.monotonic() < deadline, "the abandoned request was not cancelled"
+        time.sleep(0.01)
+    gate.open()
+    wait_idle(worker)
+    (cancelled,) = results
+    assert cancelled.finish == "cancelled" and cancelled.output_tokens == 0
+    assert_cold_equivalent(engine)
+
+
+@pytest.mark.anyio
+async def test_disconnect_while_queued_skips_the_job(
+    socket_app: ThreadServer, engine: Engine, worker: EngineWorker, gate: Gate
+) -> None:
+    def req(text: str, **extra: Any) -> dict[str, Any]:
+        return {
+            "model": MODEL,
+            "max_tokens": 4,
+            "thinking": NO_THINK,
+            "messages": user(text),
+            **force("ok"),
+            **extra,
+        }
+
+    async with httpx2.AsyncClient(base_url=socket_app.url, timeout=30) as c:
+        first = asyncio.ensure_future(c.post("/v1/messages", json=req("first")))
+        await wait_until(lambda: worker.running is not None)  # held at the gate
+        async with c.stream("POST", "/v1/messages", json=req("second", stream=True)) as resp:
+            assert resp.status_code == 200  # queued past the grace period: the stream is open
+            assert worker.depth == 2
+        # the server sees the disconnect and cancels the queued job
+        queued = list(worker._jobs.queue)
+        assert len(queued) == 1
+        await wait_until(lambda: all(job.cancel.is_set() for job in queued))
+        gate.open()
+        assert (await first).json()["content"][0]["text"] == "ok"
+    wait_idle(worker)
+    assert gate.runs == ["first"]  # the abandoned job never ran
+
+
+async def drive_until_disconnect(app: Any, payload: dict[str, Any]) -> None:
+    """Run one streaming request through the ASGI app by hand: after the first text frame,
+    pause 50 ms (the worker keeps queueing events meanwhile), then report a disconnect the way
+    Hypercorn does (`http.disconnect` from receive), so Quart cancels the handler while the
+    request's event queue is not empty."""
+    data = json.dumps(payload).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/messages",
+        "raw_path": b"/v1/messages",
+        "query_string": b"",
+        "root_path": "",
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+        "headers": [
+            (b"host", b"test"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(data)).encode()),
+        ],
+    }
+    gone = asyncio.Event()
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": data, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        body = message.get("body", b"")
+        if not gone.is_set() and message["type"] == "http.response.body" and b"text" in body:
+            await asyncio.sleep(0.05)
+            gone.set()
+
+    await app(scope, receive, send)
+
+
+@pytest.mark.anyio
+async def test_disconnect_with_events_pending_cancels_generation(
+    engine: Engine, worker: EngineWorker, results: list[Any]
+) -> None:
+    payload = {
+        "model": MODEL,
+        "max_tokens": 1500,
+        "stream": True,
+        "thinking": NO_THINK,
+        "messages": user("talk"),
+        **force(LONG),
+    }
+    await drive_until_disconnect(make_app(worker), payload)
+    wait_idle(worker, timeout=120)
+    (result,) = results
+    assert result.finish == "cancelled" and result.output_tokens < 1000
+    assert_cold_equivalent(engine)
