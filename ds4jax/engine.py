@@ -216,10 +216,20 @@ class Engine:
     # ------------------------------------------------------------------ worker side
 
     def _segments_of(self, tokens: Sequence[int]) -> list[Segment]:
+        """The text of `tokens` as segments. Runs of ordinary tokens are decoded together:
+        a character split over byte-level tokens must come out whole, not as U+FFFD."""
         out: list[Segment] = []
+        run = bytearray()
         for t in tokens:
-            text = self.tokenizer.token_bytes(t).decode("utf-8", errors="replace")
-            out.append(Segment(text, t in self._special_ids))
+            if t in self._special_ids:
+                if run:
+                    out.append(Segment(run.decode("utf-8", errors="replace")))
+                    run.clear()
+                out.append(Segment(self.tokenizer.token_bytes(t).decode("utf-8"), True))
+            else:
+                run += self.tokenizer.token_bytes(t)
+        if run:
+            out.append(Segment(run.decode("utf-8", errors="replace")))
         return out
 
     def decide(self, prepared: Prepared) -> Decision | Rejection:
