@@ -364,6 +364,7 @@ class Engine:
         think_end = tok.special_id(specials.THINK_END)
         in_thinking = prepared.thinking
         queue: list[int] = []  # tokens forced by tool_choice / disable_parallel_tool_use
+        forced_at = 0
         pending_force = prepared.force_after_think
         closed_single = False
         invoke_close = "</" + specials.DSML + "invoke>"
@@ -388,19 +389,20 @@ class Engine:
             if pending_force is not None and not in_thinking:
                 queue = tok.encode_segments(template(pending_force))
                 pending_force = None
-            if queue:
+            if queue:  # server-forced tokens (tool_choice) come first
                 t = queue.pop(0)
-            elif forced is not None:
-                if len(generated) >= len(forced):
-                    finish = "end_turn"
-                    break
-                t = int(forced[len(generated)])
             elif (
                 in_thinking
                 and prepared.thinking_budget is not None
                 and len(generated) >= prepared.thinking_budget
             ):
                 t = think_end  # the budget is spent: close the reasoning
+            elif forced is not None:  # teacher forcing (tests) stands in for sampling only
+                if forced_at >= len(forced):
+                    finish = "end_turn"
+                    break
+                t = int(forced[forced_at])
+                forced_at += 1
             else:
                 key, sub = jax.random.split(key)
                 sp = prepared.sampling

@@ -234,3 +234,58 @@ def test_stop_sequence_truncates_and_reports(engine: Engine) -> None:
     res = engine.run(prepare(engine, body, 50), forced_tokens=forced(engine, "hello STOP world"))
     assert res.finish == "stop_sequence" and res.stop_sequence == "STOP"
     assert res.message.content == "hello "
+
+
+def _choice_request(engine: Engine, tool_choice: dict, thinking: bool = False, budget=None):
+    from ds4jax.chat.anthropic import parse_messages_request
+
+    body = {
+        "tools": TOOLS,
+        "tool_choice": tool_choice,
+        "messages": [{"role": "user", "content": "x"}],
+    }
+    if not thinking:
+        body["thinking"] = {"type": "disabled"}
+    elif budget is not None:
+        body["thinking"] = {"type": "enabled", "budget_tokens": budget}
+    req = parse_messages_request(body)
+    return engine.prepare(
+        req.conversation, max_tokens=120, has_tools=True, tool_choice=req.tool_choice,
+        thinking_budget=req.thinking_budget,
+    )  # fmt: skip
+
+
+def test_tool_choice_tool_forces_the_call_opening_and_the_name(engine: Engine) -> None:
+    rest = (
+        'parameter name="command" string="true">ls</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+    )
+    res = engine.run(
+        _choice_request(engine, {"type": "tool", "name": "bash"}),
+        forced_tokens=forced(engine, "<｜DSML｜" + rest),
+    )
+    assert res.finish == "tool_use"
+    assert [(c.name, c.arguments) for c in res.message.tool_calls] == [("bash", {"command": "ls"})]
+    assert res.message.content == ""  # nothing before the forced block
+
+
+def test_disable_parallel_tool_use_closes_the_block_after_one_call(engine: Engine) -> None:
+    two_calls = (
+        tool_call_text("ls")
+        .replace("I should run it.</think>", "")
+        .replace(
+            "</｜DSML｜invoke>\n</｜DSML｜tool_calls>",
+            '</｜DSML｜invoke>\n<｜DSML｜invoke name="bash">\n<｜DSML｜parameter name="command" '
+            'string="true">pwd</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>',
+        )
+    )
+    choice = {"type": "auto", "disable_parallel_tool_use": True}
+    res = engine.run(_choice_request(engine, choice), forced_tokens=forced(engine, two_calls))
+    assert res.finish == "tool_use" and len(res.message.tool_calls) == 1
+
+
+def test_thinking_budget_forces_the_end_of_reasoning(engine: Engine) -> None:
+    req = _choice_request(engine, {"type": "auto"}, thinking=True, budget=3)
+    res = engine.run(req, forced_tokens=forced(engine, "a b c d e f g h"))
+    assert res.message.reasoning is not None
+    assert engine.tokenizer.special_id("</think>") in engine.live.tokens[-res.output_tokens :]
