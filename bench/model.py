@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--budget-min",
         type=float,
-        default=15.0,
+        default=12.0,
         help="soft cap on this part's minutes: extra repeats and a large transformers run "
         "predicted to overrun it are skipped (and say so)",
     )
@@ -192,6 +192,9 @@ class Transformers:
 # ---------------------------------------------------------------- the runs
 
 
+#: A size's own ds4jax run may overrun the budget by this much before it is skipped.
+GRACE_S = 60.0
+
 #: Two best times within this factor: enough repeats.
 STABLE = 1.10
 
@@ -317,6 +320,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     prefill_rows: list[dict[str, Any]] = []
     hf_times_by_n: dict[int, list[float]] = {}
+    jx_times_by_n: dict[int, list[float]] = {}
 
     def interleave(
         count: int,
@@ -373,6 +377,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_len = n + 64
         reps = repeats_for(n)
         log(f"\n-- prefill {n} tokens (ds4jax max_len {max_len}; repeats {reps[0]}..{reps[1]})")
+        if n > 2048 and jx_times_by_n:  # chunks cost more as the row capacity grows
+            k = max(jx_times_by_n)
+            predicted_jx = min(jx_times_by_n[k]) * (n / k) * 1.5
+            if predicted_jx > left() + GRACE_S:
+                msg = f"ds4jax {n}: predicted {predicted_jx:.0f} s > {left():.0f} s left"
+                log(f"  skip {msg} (and transformers)")
+                row = {"tokens": n, "ds4jax_max_len": max_len, "ds4jax_compile_s": None}
+                prefill_rows.append(finish_row(row, n, [], [], [], [msg]))
+                return
+        predicted_hf = None
+        measured = [k for k, v in hf_times_by_n.items() if v]
+        if n > 2048 and measured:  # attention grows ~quadratically: scale the largest one
+            k = max(measured)
+            predicted_hf = min(hf_times_by_n[k]) * (n / k) ** 2
         # ds4jax warm-up: the first chunk compiles the only program this size runs
         w = min(n, max(CHUNK_SIZES))
         first, _ = jx.prefill(jx.state(max_len), tokens[:w])
@@ -382,11 +400,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"ds4jax first call ({w} tokens) {first:.2f} s, again {again:.2f} s "
             f"-> compile ~{compile_s:.1f} s"
         )
-        predicted_hf = None
-        measured = [k for k, v in hf_times_by_n.items() if v]
-        if n > 2048 and measured:  # attention grows ~quadratically: scale the largest one
-            k = max(measured)
-            predicted_hf = min(hf_times_by_n[k]) * (n / k) ** 2
 
         def run_jax() -> float:
             dt, _ = jx.prefill(jx.state(max_len), tokens[:n])
@@ -401,6 +414,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         res = interleave(n, reps, run_jax, run_hf if hf else None, predicted_hf)
         hf_times_by_n[n] = res[1]
+        jx_times_by_n[n] = res[0]
         row = {
             "tokens": n,
             "ds4jax_max_len": max_len,
@@ -488,7 +502,8 @@ def print_table(rep: dict[str, Any]) -> None:
         log(
             f"{label:<15} {_fmt(row['ds4jax']['tok_s'])} "
             f"{_fmt(row['transformers']['tok_s'], '13,.1f')} "
-            f"{(f'{r:6.2f}x' if r else '      -'):>7}   {med:<31} {row['ds4jax_compile_s']:>9.1f}"
+            f"{(f'{r:6.2f}x' if r else '      -'):>7}   {med:<31} "
+            f"{_fmt(row['ds4jax_compile_s'], '9.1f')}"
         )
         for s in row["skipped"]:
             log(f"  (skipped {s})")
@@ -508,8 +523,8 @@ def print_table(rep: dict[str, Any]) -> None:
 
 def write_json(rep: dict[str, Any], out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    day = rep["date"][:10]
-    path = out_dir / f"model-{day}{'-quick' if rep['quick'] else ''}.json"
+    stamp = rep["date"][:16].replace("T", "-").replace(":", "")  # 2026-01-31-1405
+    path = out_dir / f"model-{stamp}{'-quick' if rep['quick'] else ''}.json"
     path.write_text(json.dumps(rep, indent=1, default=str) + "\n", encoding="utf-8")
     return path
 
