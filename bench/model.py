@@ -1,18 +1,27 @@
 """Model speed, side by side in one run: ds4jax against transformers' `DeepseekV4ForCausalLM`
 on the same random config (`bench-192m` by default), and state bytes per token.
 
-* Prefill tokens/s at 512 / 2048 / 8192 tokens (best of a few interleaved repeats; one run
-  each at 8192). ds4jax: `prefill` (chunks of up to 512) into `init_state(cfg, n + 64)`;
-  the first call of each state shape compiles, and that call is reported separately.
-  transformers: float32, eval, `torch.inference_mode()`, 2 threads, one forward with
-  `use_cache=True` and `logits_to_keep=1` (what generation does on its first step).
+* Prefill tokens/s at 512 / 2048 / 8192 tokens. ds4jax: `prefill` (chunks of up to 512)
+  into `init_state(cfg, n + 64)`; the first call of each state shape compiles, and that
+  call is reported separately. transformers: float32, eval, `torch.inference_mode()`, 2
+  threads, one forward with `use_cache=True` and `logits_to_keep=1` (what generation does
+  on its first step).
 * Decode tokens/s: greedy steps after a 512-token prefill; ds4jax `decode_step` with the
   token read back to the host every step, transformers forward one token at a time with
   the returned cache (no `generate` overheads). Only the steps are timed.
 * State bytes per token for `deepseek-v4-flash` and the bench config: `state_bytes(cfg, n)`
   against `dense_kv_bytes(cfg, n)` (pure arithmetic).
 
-Results are printed and written to `bench/results/model-<date>[-quick].json`.
+Repeats alternate ds4jax and transformers so a change of load hits both; past a minimum
+they go on (up to a maximum) while either side's two best times differ by more than 10%;
+the table shows the best, the JSON every time and the load average after each pair. One
+run each at 8192. On a shared machine the best is the figure to quote, and the load
+column says whether to trust it: transformers' OpenMP threads spin at barriers and slow
+down far more than XLA's pool when a third process shares the 2 cores (10–30x, seen
+here), so ratios from a loaded run flatter ds4jax. `--budget-min` caps the part: extra
+repeats, and an 8192 run predicted to overrun, are skipped and listed as skipped.
+
+Results are printed and written to `bench/results/model-<date>-<HHMM>[-quick].json`.
 """
 
 from __future__ import annotations
@@ -53,7 +62,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="128/512 tokens, 8 decode steps")
     ap.add_argument("--config", default="bench-192m")
     ap.add_argument("--sizes", help="prefill sizes, comma separated (default 512,2048,8192)")
-    ap.add_argument("--repeats", type=int, help="repeats of sizes <= 2048 (default 5 / 3)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        help="fixed repeats of sizes <= 2048 (default: adaptive, 5..8 at 512, 3..5 at 2048)",
+    )
     ap.add_argument("--decode-ctx", type=int, default=512)
     ap.add_argument("--decode-steps", type=int, help="greedy steps (default 32; quick 8)")
     ap.add_argument("--no-hf", action="store_true", help="ds4jax only")
@@ -307,6 +320,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "transformers_attn_implementation": hf.attn_impl if hf else None,
         "transformers_prefill": "one forward, use_cache=True, logits_to_keep=1",
         "torch_threads": 2,
+        "ds4jax_backend": jax.default_backend(),
+        "ds4jax_attention_impl": getattr(cfg, "attention_impl", None),
         "tokens": f"uniform random ids in [2, vocab), numpy seed {args.seed}",
     }
 
