@@ -71,6 +71,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--decode-steps", type=int, help="greedy steps (default 32; quick 8)")
     ap.add_argument("--no-hf", action="store_true", help="ds4jax only")
     ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=2,
+        help="transformers' threads (default 2; 1 is far steadier on a loaded machine)",
+    )
+    ap.add_argument(
         "--budget-min",
         type=float,
         default=12.0,
@@ -154,13 +160,13 @@ class Ds4jax:
 
 
 class Transformers:
-    def __init__(self, cfg: Any, params: Any, seed: int) -> None:
+    def __init__(self, cfg: Any, params: Any, seed: int, threads: int = 2) -> None:
         import torch
         from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
         from ds4jax.config import to_hf_config
 
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads)
         torch.manual_seed(seed)
         self.torch = torch
         t0 = time.perf_counter()
@@ -297,10 +303,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         import torch
         import transformers
 
-        hf = Transformers(cfg, jx.params, args.seed)
+        hf = Transformers(cfg, jx.params, args.seed, args.torch_threads)
         log(
             f"transformers build {hf.init_s:.1f} s ({hf.n_params / 1e6:.1f}M params, "
-            f"experts={hf.experts_impl}, attention={hf.attn_impl}, threads 2)"
+            f"experts={hf.experts_impl}, attention={hf.attn_impl}, threads {args.torch_threads})"
         )
         report["versions"] = {
             "jax": jax.__version__,
@@ -319,7 +325,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "transformers_experts_implementation": hf.experts_impl if hf else None,
         "transformers_attn_implementation": hf.attn_impl if hf else None,
         "transformers_prefill": "one forward, use_cache=True, logits_to_keep=1",
-        "torch_threads": 2,
+        "torch_threads": args.torch_threads,
         "ds4jax_backend": jax.default_backend(),
         "ds4jax_attention_impl": getattr(cfg, "attention_impl", None),
         "tokens": f"uniform random ids in [2, vocab), numpy seed {args.seed}",
