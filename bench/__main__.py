@@ -10,12 +10,18 @@
     python -m bench --quick         # small sizes: a smoke run
 
 `python -m bench model --help` lists the model part's own options.
+
+Besides each part's JSON, every part run here leaves CSVs and PNG plots stamped with this
+run (`bench.report`), and a run of several parts ends with one table of ratios measured in
+it, also written as `summary-<stamp>.md` / `.csv` (`bench.summary`).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from typing import Any
 
 PARTS = ("prompt", "model", "continuation", "disk", "kernels", "layers")
 
@@ -24,7 +30,36 @@ PARTS = ("prompt", "model", "continuation", "disk", "kernels", "layers")
 LAYERS_DEADLINE_MIN = 18.0
 
 
+def run_part(part: str, quick: bool, rest: list[str], t0: float) -> dict[str, Any]:
+    """Run one part; returns the dict its `main` returns (what its JSON holds)."""
+    if part == "prompt":
+        from bench import prompt
+
+        return prompt.main(quick=quick)
+    if part == "model":
+        from bench import model
+
+        return model.main(rest)
+    if part == "continuation":
+        from bench import continuation
+
+        return continuation.main(quick=quick)
+    if part == "disk":
+        from bench import disk
+
+        return disk.main(quick=quick)
+    if part == "kernels":
+        from bench import kernels
+
+        return kernels.main(quick=quick)
+    from bench import layers
+
+    return layers.main(rest, deadline=t0 + 60 * LAYERS_DEADLINE_MIN)
+
+
 def main(argv: list[str] | None = None) -> None:
+    from bench import report, summary
+
     argv = list(sys.argv[1:] if argv is None else argv)
     rest = [a for a in argv if a not in PARTS]
     quick = "--quick" in rest
@@ -33,34 +68,36 @@ def main(argv: list[str] | None = None) -> None:
     if "--budget-min" not in rest and len(parts) > 1:
         # leave the other parts ~8 minutes of the 20-minute `make bench` allowance
         rest += ["--budget-min", "9"]
+    stamp = report.run_stamp(quick)
     t0 = time.perf_counter()
-    for part in parts:
-        print(f"\n=== bench {part} ===", flush=True)
-        if part == "prompt":
-            from bench import prompt
-
-            prompt.main(quick=quick)
-        elif part == "model":
-            from bench import model
-
-            model.main(rest)
-        elif part == "continuation":
-            from bench import continuation
-
-            continuation.main(quick=quick)
-        elif part == "disk":
-            from bench import disk
-
-            disk.main(quick=quick)
-        elif part == "kernels":
-            from bench import kernels
-
-            kernels.main(quick=quick)
-        else:
-            from bench import layers
-
-            layers.main(rest, deadline=t0 + 60 * LAYERS_DEADLINE_MIN)
-    print(f"\nbench total {time.perf_counter() - t0:.0f} s", flush=True)
+    results: dict[str, dict[str, Any]] = {}
+    seconds: dict[str, float] = {}
+    for i, part in enumerate(parts, 1):
+        print(f"\n=== bench {part} ({i}/{len(parts)}, {time.perf_counter() - t0:.0f} s in) ===",
+              flush=True)  # fmt: skip
+        t = time.perf_counter()
+        results[part] = run_part(part, quick, rest, t0)
+        seconds[part] = round(time.perf_counter() - t, 1)
+        for path in report.write_part(part, results[part], stamp):
+            print(f"wrote {path}")
+        print(f"=== {part} took {seconds[part]:.0f} s", flush=True)
+    total = time.perf_counter() - t0
+    rows = summary.summary_rows(results)
+    if rows:
+        print(f"\nsummary: ratios measured side by side in this run ({stamp})")
+        print(summary.format_table(rows))
+    if len(parts) > 1:
+        notes = [
+            f"`{' '.join(['python -m bench', *argv])}`; each part's CSVs and PNGs carry the "
+            f"same stamp ({stamp})",
+            "seconds per part: "
+            + ", ".join(f"{p} {s:.0f}" for p, s in seconds.items())
+            + f"; total {total:.0f}",
+            f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus",
+        ]
+        for path in summary.write(rows, stamp, notes):
+            print(f"wrote {path}")
+    print(f"\nbench total {total:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

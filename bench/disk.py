@@ -17,7 +17,7 @@ what a restart gains over a cold prefill.
 
     python -m bench.disk [--quick]
 
-Results are printed and written to `bench/results/disk-<date>[-quick].json`.
+Results are printed and written to `bench/results/disk-<date>-<HHMM>[-quick].json`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def _compile_cache() -> None:
+def use_compile_cache() -> None:
     """The persistent XLA cache `ds4jax serve` uses, unless one is configured already."""
     import jax
 
@@ -204,6 +204,7 @@ def restart(ns: tuple[int, ...], root: Path) -> list[dict[str, Any]]:
         jax.block_until_ready(state)
         t2 = time.perf_counter()
         diff = float(np.abs(np.asarray(state.logits) - np.asarray(cold.logits)).max())
+        log(f"  restart at {n} tokens: cold {t_cold:.2f} s, restore {t2 - t0:.3f} s")
         out.append(
             {
                 "tokens": n,
@@ -224,7 +225,7 @@ def restart(ns: tuple[int, ...], root: Path) -> list[dict[str, Any]]:
 def run(quick: bool) -> dict[str, Any]:
     """Measure everything (see the module docstring); `quick` keeps it under a minute once
     the tiny model's two chunk programs are in the compile cache."""
-    _compile_cache()
+    use_compile_cache()
     root = Path(tempfile.mkdtemp(prefix="ds4jax-bench-disk-"))
     try:
         configs = ("tiny", "bench-192m") if quick else ("tiny", "bench-192m", "deepseek-v4-flash")
@@ -236,7 +237,11 @@ def run(quick: bool) -> dict[str, Any]:
         }
         log(f"disk checkpoints under {root}")
         for name in configs:
-            rep["throughput"].append(throughput(name, 16384, 2 if quick else 3, root))
+            t = throughput(name, 16384, 2 if quick else 3, root)
+            rep["throughput"].append(t)
+            m = t["MB_per_s"]
+            log(f"  {name}: {t['live_bytes'] / MB:.1f} MB, save {m['save']:.0f} MB/s, "
+                f"load {m['load']:.0f} MB/s (raw {m['raw_w']:.0f} / {m['raw_r']:.0f})")  # fmt: skip
         rep["restart"] = restart((1024, 4096) if quick else (4096, 16384), root)
         rep["loadavg_end"] = list(os.getloadavg())
         return rep
@@ -273,7 +278,8 @@ def main(quick: bool = False) -> dict[str, Any]:
     rep["seconds"] = round(time.perf_counter() - t0, 1)
     print_table(rep)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"disk-{rep['date'][:10]}{'-quick' if quick else ''}.json"
+    stamp = rep["date"][:16].replace("T", "-").replace(":", "")  # 2026-01-31-1405
+    path = RESULTS_DIR / f"disk-{stamp}{'-quick' if quick else ''}.json"
     path.write_text(json.dumps(rep, indent=1) + "\n", encoding="utf-8")
     log(f"wrote {path} ({rep['seconds']} s)")
     return rep

@@ -26,7 +26,7 @@ def _time(fn, *args, repeat: int = 5) -> float:
     return best
 
 
-def main(quick: bool = False) -> list[dict]:
+def main(quick: bool = False) -> dict:
     interpret = jax.default_backend() == "cpu"
     shapes = [(1, 64, 512, 1152), (256, 64, 512, 1152)]  # decode and a prefill chunk, Flash heads
     if quick:
@@ -65,7 +65,8 @@ def main(quick: bool = False) -> list[dict]:
                  "kernel_ms": t_k * 1e3, "twin_ms": t_r * 1e3})  # fmt: skip
     print(f"indexer_scores T={T} IH={IH} d={d} C={C}: kernel {t_k * 1e3:.2f} ms  twin "
           f"{t_r * 1e3:.2f} ms", flush=True)  # fmt: skip
-    return rows
+    return {"backend": jax.default_backend(), "interpreted": interpret, "quick": quick,
+            "rows": rows}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -122,7 +122,7 @@ def breakdown(cfg: Any, params: Any, T: int, max_len: int, start: int, reps: int
     }
 
 
-def main(argv: list[str] | None = None, deadline: float | None = None) -> list[dict]:
+def main(argv: list[str] | None = None, deadline: float | None = None) -> dict:
     """`deadline` (a `time.perf_counter()` value): cases not started by then are skipped."""
     from ds4jax.config import load_config
     from ds4jax.model.params import init_params
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None, deadline: float | None = None) -> list[d
     rep = {"date": now, "config": "bench-192m", "loadavg_end": list(os.getloadavg()), "cases": out}
     path.write_text(json.dumps(rep, indent=1) + "\n", encoding="utf-8")
     log(f"wrote {path}")
-    return out
+    return rep
 
 
 if __name__ == "__main__":

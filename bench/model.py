@@ -50,7 +50,7 @@ REPORTED = {
 }
 
 STATE_CONFIGS = ("deepseek-v4-flash", "bench-192m")
-STATE_LENGTHS = (1024, 16384, 65536)
+STATE_LENGTHS = (1024, 4096, 16384, 65536, 262144)
 
 
 def log(msg: str) -> None:

@@ -65,7 +65,7 @@ def best_of(fn: Callable[[], object], repeat: int = 7) -> float:
     return min(times) if len(times) < 3 else statistics.median(sorted(times)[: repeat // 2 + 1])
 
 
-def main(quick: bool = False) -> None:
+def main(quick: bool = False) -> dict:
     tok = V4Tokenizer()
     body = claude_code_like_request()
     raw = json.dumps(body)
@@ -84,6 +84,14 @@ def main(quick: bool = False) -> None:
         f"(official single encode {t_off * 1e3:.2f} ms, ratio {t_seg / t_off:.2f}x)",
         flush=True,
     )
+    return {
+        "json_bytes": len(raw),
+        "prompt_chars": len(text),
+        "tokens": len(ids),
+        "parse_render_s": t_parse,
+        "tokenize_segments_s": t_seg,
+        "tokenize_official_s": t_off,
+    }
 
 
 if __name__ == "__main__":

@@ -1,0 +1,229 @@
+"""The one table `python -m bench` ends with: ratios of figures measured side by side in
+this run, never against numbers from another run or machine.
+
+Each ratio is oriented so its name reads as a sentence ("cold / live_tool TTFT" = how many
+times slower a cold prefill is than the live path) and keeps its numerator and denominator,
+so a surprising ratio can be traced to the two measurements behind it. The full figures
+are in the parts' CSVs and JSONs; this table picks the comparisons the issue asks for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.report import RESULTS_DIR, write_csv
+
+Row = dict[str, Any]
+
+#: the state-bytes rows summarised: the real model's (the bench config only scales it down)
+STATE_CONFIG = "deepseek-v4-flash"
+
+
+def ratio(part: str, name: str, at: str, num: float | None, den: float | None, unit: str) -> Row:
+    """A ratio row; a missing side (a skipped measurement) leaves the value empty."""
+    value = round(num / den, 3) if num and den else None
+    return {
+        "part": part,
+        "ratio": name,
+        "at": at,
+        "value": value,
+        "numerator": num,
+        "denominator": den,
+        "unit": unit,
+    }
+
+
+def continuation(rep: Row) -> list[Row]:
+    rows = rep["rows"]
+    out = []
+    for r in rows:
+        at = f"{r['history_tokens']} history tokens"
+        for path in ("live_tool", "disk"):
+            if path in r:
+                out.append(
+                    ratio(
+                        "continuation",
+                        f"cold / {path} TTFT",
+                        at,
+                        r["cold"]["ttft_s"],
+                        r[path]["ttft_s"],
+                        "s",
+                    )
+                )
+    last = rows[-1]
+    for path in ("token_prefix", "text_prefix"):
+        if path in last:
+            at = f"{last['history_tokens']} history tokens"
+            out.append(
+                ratio(
+                    "continuation",
+                    f"cold / {path} TTFT",
+                    at,
+                    last["cold"]["ttft_s"],
+                    last[path]["ttft_s"],
+                    "s",
+                )
+            )
+    live = [r["live_tool"]["ttft_s"] for r in rows]
+    span = f"{rows[0]['history_tokens']}..{last['history_tokens']} tokens"
+    out.append(ratio("continuation", "live_tool TTFT max / min", span, max(live), min(live), "s"))
+    return out
+
+
+def model(rep: Row) -> list[Row]:
+    out = []
+    for r in rep["prefill"]:
+        out.append(
+            ratio(
+                "model",
+                "ds4jax / transformers prefill tok/s",
+                f"{r['tokens']} tokens",
+                r["ds4jax"]["tok_s"],
+                r["transformers"]["tok_s"],
+                "tok/s",
+            )
+        )
+    d = rep["decode"]
+    out.append(
+        ratio(
+            "model",
+            "ds4jax / transformers decode tok/s",
+            f"{d['steps']} steps after {d['context']}",
+            d["ds4jax"]["tok_s"],
+            d["transformers"]["tok_s"],
+            "tok/s",
+        )
+    )
+    for r in rep["state_bytes"]:
+        if r["config"] == STATE_CONFIG:
+            out.append(
+                ratio(
+                    "model",
+                    f"dense / ds4jax state bytes per token ({STATE_CONFIG})",
+                    f"{r['tokens']} context tokens",
+                    r["dense_per_token"],
+                    r["state_per_token"],
+                    "B/token",
+                )
+            )
+    return out
+
+
+def disk(rep: Row) -> list[Row]:
+    """Save and load of the largest state against raw I/O of the same bytes, and the restart
+    (load + suffix prefill) against a cold prefill."""
+    t = max(rep["throughput"], key=lambda t: t["live_bytes"])
+    at = f"{t['config']}, {t['tokens']} tokens ({t['live_bytes'] / 1e6:.0f} MB)"
+    m = t["MB_per_s"]
+    out = [
+        ratio("disk", "raw write+fsync / DiskStore save MB/s", at, m["raw_w"], m["save"], "MB/s"),
+        ratio("disk", "raw read / DiskStore load MB/s", at, m["raw_r"], m["load"], "MB/s"),
+        ratio("disk", "Orbax write / DiskStore save MB/s", at, m["orbax_w"], m["save"], "MB/s"),
+        ratio("disk", "Orbax read / DiskStore load MB/s", at, m["orbax_r"], m["load"], "MB/s"),
+    ]
+    for r in rep["restart"]:
+        out.append(
+            ratio(
+                "disk",
+                "cold prefill / (load + suffix prefill)",
+                f"{r['tokens']} + {r['suffix']} tokens, tiny",
+                r["cold_prefill_s"],
+                r["restore_total_s"],
+                "s",
+            )
+        )
+    return out
+
+
+def kernels(rep: Row) -> list[Row]:
+    mode = ", interpreted" if rep["interpreted"] else ""
+    return [
+        ratio(
+            "kernels",
+            f"jnp twin / Pallas {r['op']} time",
+            f"T={r['T']} ({rep['backend']}{mode})",
+            r["twin_ms"],
+            r["kernel_ms"],
+            "ms",
+        )
+        for r in rep["rows"]
+    ]
+
+
+def prompt(rep: Row) -> list[Row]:
+    return [
+        ratio(
+            "prompt",
+            "official encode / segment tokenize time",
+            f"{rep['tokens']} tokens",
+            rep["tokenize_official_s"],
+            rep["tokenize_segments_s"],
+            "s",
+        )
+    ]
+
+
+PARTS = {
+    "prompt": prompt,
+    "model": model,
+    "continuation": continuation,
+    "disk": disk,
+    "kernels": kernels,
+}
+
+
+def summary_rows(results: dict[str, Row]) -> list[Row]:
+    """The ratios of every part in `results` (part → the dict its `main` returned)."""
+    return [row for part, rep in results.items() if part in PARTS for row in PARTS[part](rep)]
+
+
+def _num(x: float | None, unit: str) -> str:
+    if x is None:
+        return "-"
+    return f"{x:,.0f} {unit}" if abs(x) >= 1000 else f"{x:.4g} {unit}"
+
+
+def _cells(row: Row) -> list[str]:
+    value = "-" if row["value"] is None else f"{row['value']:.3g}x"
+    sides = f"{_num(row['numerator'], row['unit'])} / {_num(row['denominator'], row['unit'])}"
+    return [row["part"], row["ratio"], row["at"], value, sides]
+
+
+HEADER = ["part", "ratio", "at", "value", "numerator / denominator"]
+
+
+def format_table(rows: list[Row]) -> str:
+    """Aligned plain text, for the terminal."""
+    cells = [HEADER, *(_cells(r) for r in rows)]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
+    lines = [
+        "  ".join(
+            c.rjust(w) if i == 3 else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in cells
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def markdown(rows: list[Row], title: str, notes: list[str]) -> str:
+    lines = [
+        f"# {title}",
+        "",
+        *(f"- {n}" for n in notes),
+        "",
+        "| " + " | ".join(HEADER) + " |",
+        "|" + "|".join(["---", "---", "---", "---:", "---"]) + "|",
+    ]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write(rows: list[Row], stamp: str, notes: list[str], out_dir: Path = RESULTS_DIR) -> list[Path]:
+    """`summary-<stamp>.csv` (numbers) and `.md` (the printed table, with `notes` above)."""
+    csv_path = write_csv(out_dir / f"summary-{stamp}.csv", rows)
+    md_path = out_dir / f"summary-{stamp}.md"
+    md_path.write_text(markdown(rows, f"bench summary {stamp}", notes), encoding="utf-8")
+    return [csv_path, md_path]

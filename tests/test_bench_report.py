@@ -1,0 +1,290 @@
+"""The bench report (`bench.report`, `bench.summary`, `bench.plots`) on synthetic results in
+the shapes the parts return: no model runs, so a broken table, plot or ratio shows up here
+rather than at the end of a 20-minute `make bench`."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import report, summary
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _side(times: list[float], count: int) -> dict[str, Any]:
+    if not times:
+        return {"times_s": [], "best_s": None, "median_s": None, "tok_s": None}
+    return {
+        "times_s": times,
+        "best_s": min(times),
+        "median_s": sorted(times)[len(times) // 2],
+        "tok_s": count / min(times),
+    }
+
+
+def _path(source: str, prefilled: int, ttft: float) -> dict[str, Any]:
+    return {"source": source, "prefilled": prefilled, "ttft_s": ttft}
+
+
+CONTINUATION = {
+    "rows": [
+        {
+            "history_tokens": n,
+            "live_tool": _path("anthropic-tool-output", 17, live),
+            "token_prefix": _path("memory-token", 17, 0.09),
+            "text_prefix": _path("memory-text", 17, 0.2),
+            "disk": _path("disk-text", 17, disk),
+            "cold": _path("none", n, cold),
+        }
+        for n, live, disk, cold in [(1000, 0.1, 0.2, 2.0), (4000, 0.08, 0.25, 8.0)]
+    ]
+}
+
+MODEL = {
+    "prefill": [
+        {
+            "tokens": 512,
+            "ds4jax_compile_s": 7.0,
+            "ds4jax": _side([0.5, 0.6], 512),
+            "transformers": _side([1.0, 1.1], 512),
+            "skipped": [],
+        },
+        {
+            "tokens": 8192,
+            "ds4jax_compile_s": 9.0,
+            "ds4jax": _side([16.0], 8192),
+            "transformers": _side([], 8192),
+            "skipped": ["transformers: predicted 400 s > 60 s left"],
+        },
+    ],
+    "decode": {
+        "context": 512,
+        "steps": 32,
+        "ds4jax": _side([1.0], 32),
+        "transformers": _side([4.0], 32),
+    },
+    "state_bytes": [
+        {"config": c, "tokens": n, "state_per_token": s, "dense_per_token": d}
+        for c, n, s, d in [
+            ("deepseek-v4-flash", 1024, 40000.0, 80000.0),
+            ("deepseek-v4-flash", 65536, 10000.0, 80000.0),
+            ("bench-192m", 1024, 2000.0, 4000.0),
+        ]
+    ],
+}
+
+
+def _throughput(config: str, nbytes: int, mb_s: dict[str, float]) -> dict[str, Any]:
+    return {
+        "config": config,
+        "tokens": 16384,
+        "live_bytes": nbytes,
+        "reps": 3,
+        "seconds": {k: nbytes / 1e6 / v for k, v in mb_s.items()},
+        "MB_per_s": mb_s,
+    }
+
+
+MBS = {
+    "save": 50.0,
+    "load": 100.0,
+    "orbax_w": 80.0,
+    "orbax_r": 200.0,
+    "raw_w": 500.0,
+    "raw_r": 2000.0,
+}
+DISK = {
+    "throughput": [
+        _throughput("tiny", 4_000_000, {k: v / 2 for k, v in MBS.items()}),
+        _throughput("deepseek-v4-flash", 250_000_000, MBS),
+    ],
+    "restart": [
+        {
+            "tokens": 4096,
+            "suffix": 128,
+            "cold_prefill_s": 10.0,
+            "save_s": 1.0,
+            "open_lookup_load_s": 0.1,
+            "suffix_prefill_s": 0.9,
+            "restore_total_s": 1.0,
+            "speedup": 10.0,
+            "max_logit_diff": 0.0,
+        },
+    ],
+}
+
+KERNELS = {
+    "backend": "cpu",
+    "interpreted": True,
+    "rows": [
+        {
+            "op": "sink_attention",
+            "T": 1,
+            "H": 8,
+            "D": 128,
+            "K": 512,
+            "kernel_ms": 4.0,
+            "twin_ms": 2.0,
+            "kernel_GBps": 0.5,
+        },
+        {
+            "op": "indexer_scores",
+            "T": 64,
+            "IH": 16,
+            "d": 64,
+            "C": 1024,
+            "kernel_ms": 3.0,
+            "twin_ms": 6.0,
+        },
+    ],
+}
+
+PROMPT = {
+    "json_bytes": 100000,
+    "prompt_chars": 60000,
+    "tokens": 15000,
+    "parse_render_s": 0.01,
+    "tokenize_segments_s": 0.02,
+    "tokenize_official_s": 0.03,
+}
+
+LAYERS = {
+    "cases": [
+        {
+            "T": 512,
+            "start": 0,
+            "max_len": 576,
+            "forward_chunk_ms": 600.0,
+            "parts": [{"part": "moe hash", "count": 3, "best_ms": 40.0, "median_ms": 42.0}],
+        },
+        {"T": 1, "start": 8192, "max_len": 8256, "skipped": "time budget"},
+    ]
+}
+
+RESULTS = {
+    "prompt": PROMPT,
+    "model": MODEL,
+    "continuation": CONTINUATION,
+    "disk": DISK,
+    "kernels": KERNELS,
+}
+
+
+def _read(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        return list(reader.fieldnames or []), list(reader)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> dict[str, list[Path]]:
+    out = tmp_path_factory.mktemp("results")
+    parts = RESULTS | {"layers": LAYERS}
+    return {part: report.write_part(part, rep, "STAMP", out) for part, rep in parts.items()}
+
+
+def test_every_part_writes_stamped_csvs_and_its_plots(written) -> None:
+    names = {part: sorted(p.name for p in paths) for part, paths in written.items()}
+    assert names["continuation"] == ["continuation-STAMP-ttft.csv", "continuation-STAMP.png"]
+    assert names["model"] == [
+        "model-STAMP-decode.csv",
+        "model-STAMP-prefill.csv",
+        "model-STAMP-state-bytes.csv",
+        "model-STAMP-state-bytes.png",
+        "model-STAMP.png",
+    ]
+    assert names["disk"] == [
+        "disk-STAMP-restart.csv",
+        "disk-STAMP-throughput.csv",
+        "disk-STAMP.png",
+    ]
+    assert names["kernels"] == ["kernels-STAMP-kernels.csv"]
+    for path in (p for paths in written.values() for p in paths if p.suffix == ".png"):
+        data = path.read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 5000, path
+
+
+def test_csvs_have_one_row_per_measurement_with_units(written) -> None:
+    csvs = {p.name: p for paths in written.values() for p in paths if p.suffix == ".csv"}
+    cols, rows = _read(csvs["continuation-STAMP-ttft.csv"])
+    assert cols == ["history_tokens", "path", "source", "prefilled_tokens", "ttft_s"]
+    assert len(rows) == 2 * 5
+    disk_row = next(r for r in rows if r["history_tokens"] == "4000" and r["path"] == "disk")
+    assert float(disk_row["ttft_s"]) == 0.25 and disk_row["source"] == "disk-text"
+
+    cols, rows = _read(csvs["model-STAMP-prefill.csv"])
+    assert cols[:6] == ["tokens", "engine", "repeats", "best_s", "median_s", "tok_per_s"]
+    assert [(r["tokens"], r["engine"]) for r in rows] == [
+        ("512", "ds4jax"),
+        ("512", "transformers"),
+        ("8192", "ds4jax"),
+        ("8192", "transformers"),
+    ]
+    assert float(rows[1]["tok_per_s"]) == pytest.approx(512.0)
+    assert rows[3]["tok_per_s"] == "" and "predicted" in rows[3]["skipped"]
+
+    cols, rows = _read(csvs["model-STAMP-state-bytes.csv"])
+    assert "state_bytes_per_token" in cols and "dense_bytes_per_token" in cols
+    assert [float(r["dense_over_state"]) for r in rows] == [2.0, 8.0, 2.0]
+
+    cols, rows = _read(csvs["disk-STAMP-throughput.csv"])
+    assert cols == ["config", "tokens", "live_MB", "operation", "median_s", "MB_per_s"]
+    assert len(rows) == 2 * 6
+    assert {r["operation"] for r in rows} == set(report.DISK_OPS.values())
+
+    _, rows = _read(csvs["kernels-STAMP-kernels.csv"])
+    assert rows[0]["shape"] == "T=1 H=8 D=128 K=512" and rows[1]["kernel_GB_per_s"] == ""
+    _, rows = _read(csvs["layers-STAMP-layers.csv"])
+    assert len(rows) == 1 and float(rows[0]["total_ms"]) == 120.0  # the skipped case: no row
+
+
+def _value(rows: list[dict[str, Any]], name: str, at: str) -> float | None:
+    (row,) = [r for r in rows if r["ratio"] == name and r["at"].startswith(at)]
+    return row["value"]
+
+
+def test_summary_ratios_are_this_runs_measurements() -> None:
+    rows = summary.summary_rows(RESULTS)
+    assert _value(rows, "cold / live_tool TTFT", "1000 ") == 20.0
+    assert _value(rows, "cold / live_tool TTFT", "4000 ") == 100.0
+    assert _value(rows, "cold / disk TTFT", "4000 ") == 32.0
+    assert _value(rows, "live_tool TTFT max / min", "1000..4000") == 1.25
+    assert _value(rows, "ds4jax / transformers prefill tok/s", "512 ") == 2.0
+    assert _value(rows, "ds4jax / transformers prefill tok/s", "8192 ") is None  # skipped
+    assert _value(rows, "ds4jax / transformers decode tok/s", "32 steps") == 4.0
+    state = [r for r in rows if r["ratio"].startswith("dense / ds4jax state bytes")]
+    assert [(r["at"], r["value"]) for r in state] == [
+        ("1024 context tokens", 2.0),
+        ("65536 context tokens", 8.0),
+    ]
+    # the disk ratios are the largest state's
+    assert _value(rows, "raw write+fsync / DiskStore save MB/s", "deepseek") == 10.0
+    assert _value(rows, "raw read / DiskStore load MB/s", "deepseek") == 20.0
+    assert _value(rows, "cold prefill / (load + suffix prefill)", "4096 ") == 10.0
+    assert _value(rows, "jnp twin / Pallas indexer_scores time", "T=64") == 2.0
+    assert _value(rows, "official encode / segment tokenize time", "15000 ") == 1.5
+
+
+def test_summary_table_and_files(tmp_path) -> None:
+    rows = summary.summary_rows({"continuation": CONTINUATION})
+    text = summary.format_table(rows)
+    assert "cold / live_tool TTFT" in text and "100x" in text and "8 s / 0.08 s" in text
+    paths = summary.write(rows, "STAMP", ["a note"], tmp_path)
+    assert [p.name for p in paths] == ["summary-STAMP.csv", "summary-STAMP.md"]
+    cols, back = _read(paths[0])
+    assert cols == ["part", "ratio", "at", "value", "numerator", "denominator", "unit"]
+    assert len(back) == len(rows)
+    md = paths[1].read_text()
+    assert "- a note" in md and md.count("| continuation |") == len(rows)
+
+
+def test_run_stamps_differ_by_the_second_and_mark_quick() -> None:
+    from datetime import datetime
+
+    a = report.run_stamp(False, datetime(2026, 1, 31, 14, 5, 1))
+    b = report.run_stamp(True, datetime(2026, 1, 31, 14, 5, 2))
+    assert (a, b) == ("2026-01-31-140501", "2026-01-31-140502-quick")
