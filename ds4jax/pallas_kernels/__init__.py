@@ -1,8 +1,13 @@
 """Pallas kernels, each beside its pure-jnp twin, and the one place that picks between them.
 
 `Config.attention_impl`: "xla" (the twins), "pallas" (the kernels; interpreted on CPU, for
-tests), "auto" (kernels on TPU/GPU, twins on CPU, where interpreted Pallas lowers to the
-same XLA at best).
+tests), "auto" (per op, whichever is the better choice on the platform). On an H200
+(bench/results/kernels-h200-*.json) only the indexer kernel beats XLA (1.2–1.7×); the two
+attention kernels lose to XLA's fused einsums on prefill chunks (TF32 dots with 16–32 rows
+per program and float32 keys in shared memory) and tie on decode, so "auto" takes the
+twins for them there. On TPU "auto" takes the dense kernels (not measured yet) and the
+twin for the sparse gather, which has no Mosaic TPU lowering. On CPU interpreted Pallas
+lowers to the same XLA at best, so "auto" takes the twins.
 """
 
 from __future__ import annotations
@@ -22,11 +27,17 @@ _OPS = {
     "indexer_scores": (indexer_scores, indexer_scores_reference),
 }
 
+#: the ops "auto" runs as kernels, per platform (others get their twins)
+AUTO_KERNELS = {
+    "gpu": frozenset({"indexer_scores"}),
+    "tpu": frozenset({"sink_attention", "indexer_scores"}),
+}
+
 
 def select(impl: str, op: str) -> Any:
     kernel, reference = _OPS[op]
     platform = jax.default_backend()
-    if impl == "xla" or (impl == "auto" and platform == "cpu"):
+    if impl == "xla" or (impl == "auto" and op not in AUTO_KERNELS.get(platform, ())):
         return reference
     if impl in ("pallas", "auto"):
         return partial(kernel, interpret=platform == "cpu")
