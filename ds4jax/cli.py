@@ -63,21 +63,10 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
 
 
 def _load_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """(config, params, tokenizer) from --model DIR or --config NAME [--seed S]."""
-    import jax.numpy as jnp
+    """(config, params, tokenizer) from --model DIR|NAME or --config NAME [--seed S]."""
+    from ds4jax.model.checkpoint import load_model
 
-    from ds4jax.config import load_config
-    from ds4jax.model.checkpoint import load_any
-    from ds4jax.model.params import init_params
-
-    if args.model:
-        cfg, params = load_any(args.model, dtype=jnp.float32)
-        tok_dir = Path(args.model)
-        tokenizer = load_tokenizer(tok_dir if (tok_dir / "tokenizer.json").is_file() else None)
-    else:
-        cfg = load_config(args.config)
-        params = init_params(cfg, seed=args.seed)
-        tokenizer = load_tokenizer(None)
+    cfg, params, tokenizer, _ = load_model(args.model, args.config, args.seed)
     quant = getattr(args, "quant_sim", None)
     if quant is not None:
         cfg = cfg.replace(quant_sim=quant == "on")
@@ -230,7 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     def with_model(sp: argparse.ArgumentParser) -> None:
         src = sp.add_mutually_exclusive_group(required=True)
-        src.add_argument("--model", help="checkpoint directory (Orbax, transformers or official)")
+        src.add_argument(
+            "--model", help="checkpoint directory (Orbax, transformers or official) or a "
+            "named model (demo)"
+        )  # fmt: skip
         src.add_argument("--config", help="named config with random weights, e.g. tiny")
         sp.add_argument("--seed", type=int, default=0, help="weights seed with --config")
 

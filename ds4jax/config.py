@@ -77,8 +77,8 @@ class Config:
     #: FP8 KV simulation and Hadamard+FP4 indexer simulation: part of the official graph;
     #: off to compare with transformers, which implements neither.
     quant_sim: bool = True
-    #: "xla" (jnp twins), "pallas" (kernels; interpreted on CPU), "auto" (kernels on
-    #: TPU/GPU, twins on CPU). See ds4jax.pallas_kernels.
+    #: "xla" (jnp twins), "pallas" (kernels; interpreted on CPU), "auto" (per op, the
+    #: faster measured choice per platform: twins on CPU). See ds4jax.pallas_kernels.
     attention_impl: str = "auto"
 
     def __post_init__(self) -> None:

@@ -45,19 +45,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.chat import specials
-from ds4jax.chat.anthropic import parse_messages_request
-from ds4jax.chat.dsml_parse import ParsedCall, ParsedMessage, ParsedText
+from ds4jax.chat.anthropic import parse_messages_request, response_content
 from ds4jax.chat.dsml_render import render_tool_calls
 from ds4jax.chat.render import render
 from ds4jax.chat.segments import template
-from ds4jax.chat.tokenizer import Tokenizer, V4Tokenizer, load_tokenizer
-from ds4jax.config import load_config
+from ds4jax.chat.tokenizer import Tokenizer
 from ds4jax.continuation.evidence import attach_tool_memory
 from ds4jax.continuation.tool_memory import ToolMemory
 from ds4jax.continuation.types import CacheSource
 from ds4jax.engine import Engine
 from ds4jax.model.forward import decode_step, prefill
-from ds4jax.model.params import init_params
 from ds4jax.model.state import DecodeState, init_state
 from ds4jax.sampling import sample
 
@@ -189,22 +186,21 @@ def load_model(
 ) -> Engine:
     """An Engine for a named config with random weights (`seed`; quantization simulation off
     unless asked, so the `exact` control measures float rounding only) or a checkpoint
-    directory (any layout `load_any` reads, its own tokenizer: `tokenizer.json` or a
-    SentencePiece `*.model`; its config's `quant_sim` unless overridden)."""
-    path = Path(model)
-    if path.is_dir():
-        from ds4jax.model.checkpoint import load_any  # orbax: only for checkpoints
+    directory / named model such as `demo` (`ds4jax.model.checkpoint.load_model`: its own
+    tokenizer when it ships one; its config's `quant_sim` unless overridden)."""
+    from ds4jax.model.checkpoint import load_model as load
+    from ds4jax.model.checkpoint import resolve_model_dir
 
-        dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-        cfg, params = load_any(path, dtype=dtype)
-        try:
-            tok = load_tokenizer(path)
-        except FileNotFoundError:  # e.g. a converted params checkpoint of a V4-vocab model
-            tok = V4Tokenizer()
+    try:
+        checkpoint = resolve_model_dir(model).is_dir()
+    except FileNotFoundError:
+        checkpoint = False
+    dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    if checkpoint:
+        cfg, params, tok, _ = load(model, dtype=dtype)
     else:
-        cfg = load_config(str(model)).replace(quant_sim=False)
-        params = init_params(cfg, seed)
-        tok = V4Tokenizer()
+        cfg, params, tok, _ = load(None, str(model), seed, dtype)
+        quant_sim = bool(quant_sim)
     if quant_sim is not None:
         cfg = cfg.replace(quant_sim=quant_sim)
     if tok.vocab_size > cfg.vocab_size:
@@ -437,23 +433,6 @@ def client_roundtrip(value: Any, client: str) -> Any:
         return v
 
     return fix(out)
-
-
-def response_content(message: ParsedMessage, tool_ids: Sequence[str]) -> list[dict[str, Any]]:
-    """The Anthropic content blocks the server returns for a parsed turn (the shape of
-    `serve.protocol.final_message`, which research code does not import)."""
-    content: list[dict[str, Any]] = []
-    if message.reasoning:
-        content.append({"type": "thinking", "thinking": message.reasoning, "signature": "x"})
-    ids = iter(tool_ids)
-    for block in message.blocks:
-        if isinstance(block, ParsedText) and block.text:
-            content.append({"type": "text", "text": block.text})
-        elif isinstance(block, ParsedCall):
-            content.append(
-                {"type": "tool_use", "id": next(ids), "name": block.name, "input": block.arguments}
-            )
-    return content
 
 
 def _prompt_state(engine: Engine, ids: Sequence[int]) -> DecodeState:

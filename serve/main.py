@@ -10,26 +10,29 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from ds4jax.chat.tokenizer import load_tokenizer
+from ds4jax.config import CONFIG_DIR
 from ds4jax.engine import Engine
 from serve.app import ServerConfig, create_app
 from serve.worker import EngineWorker
 
 log = logging.getLogger("ds4jax.serve")
 
-DEFAULT_CONFIG = "tiny"
+#: `make serve` with no flags: the trained tiny demo model (configs/demo/).
+DEFAULT_MODEL = "demo"
+FALLBACK_CONFIG = "tiny"
 DEFAULT_SEED = 0
 
 
 def add_arguments(sp: argparse.ArgumentParser) -> None:
     src = sp.add_mutually_exclusive_group()
-    src.add_argument("--model", help="checkpoint directory (Orbax, transformers or official)")
     src.add_argument(
-        "--config", help=f"named config with random weights (default {DEFAULT_CONFIG})"
+        "--model",
+        help="checkpoint directory (Orbax, transformers or official) or named model "
+        f"(default {DEFAULT_MODEL}, the trained demo)",
     )
+    src.add_argument("--config", help="named config with random weights, e.g. tiny")
     sp.add_argument("--seed", type=int, default=DEFAULT_SEED, help="weights seed with --config")
     sp.add_argument("--host", default="127.0.0.1")
     sp.add_argument("--port", type=int, default=8000)
@@ -46,26 +49,17 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
 
 
 def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
-    import jax.numpy as jnp
+    from ds4jax.model.checkpoint import is_params_checkpoint, load_model
 
-    from ds4jax.config import load_config
-    from ds4jax.model.checkpoint import load_any
-    from ds4jax.model.params import init_params
-
-    if args.model:
-        cfg, params = load_any(args.model, dtype=jnp.float32)
-        tok_dir = Path(args.model)
-        tokenizer = load_tokenizer(tok_dir if (tok_dir / "tokenizer.json").is_file() else None)
-        banner = f"model {args.model}"
-    else:
-        name = args.config or DEFAULT_CONFIG
-        cfg = load_config(name)
-        params = init_params(cfg, seed=args.seed)
-        tokenizer = load_tokenizer(None)
-        banner = (
-            f"config {name!r} with RANDOM weights (seed {args.seed}): it shows the plumbing, "
-            "its text is noise"
-        )
+    model, config = args.model, args.config
+    if model is None and config is None:
+        if is_params_checkpoint(CONFIG_DIR / DEFAULT_MODEL):
+            model = DEFAULT_MODEL
+        else:  # a checkout without the trained demo: still serve, with the plumbing model
+            config = FALLBACK_CONFIG
+    cfg, params, tokenizer, banner = load_model(model, config, args.seed)
+    if model == DEFAULT_MODEL:
+        banner += " (the trained demo: it calls add(a, b) and get_weather(city))"
     store = None
     if args.kv_disk_dir:
         from ds4jax.kvstore.disk import DiskStore

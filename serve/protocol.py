@@ -13,16 +13,15 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from ds4jax.chat.anthropic import response_content
 from ds4jax.chat.dsml_parse import (
-    ParsedCall,
-    ParsedMessage,
-    ParsedText,
     TextDelta,
     ThinkingDelta,
     ToolInputDelta,
     ToolUseStart,
     ToolUseStop,
 )
+from ds4jax.continuation.tool_memory import new_tool_id
 from ds4jax.engine import Result, ToolCallStarted
 
 SIGNATURE = "ds4jax"  # thinking blocks need a signature; clients send it back unchanged
@@ -68,20 +67,7 @@ def usage(cached: int, prefilled: int, output: int) -> dict[str, int]:
 
 def final_message(msg_id: str, model: str, result: Result) -> dict[str, Any]:
     """The non-streaming Message: thinking, then text and tool_use blocks in sampled order."""
-    content: list[dict[str, Any]] = []
-    parsed: ParsedMessage = result.message
-    if parsed.reasoning:
-        content.append({"type": "thinking", "thinking": parsed.reasoning, "signature": SIGNATURE})
-    calls = iter(result.tool_ids)
-    for block in parsed.blocks:
-        if isinstance(block, ParsedText):
-            if block.text:
-                content.append({"type": "text", "text": block.text})
-        elif isinstance(block, ParsedCall):
-            tid = next(calls, None) or ("toolu_" + secrets.token_hex(16))
-            content.append(
-                {"type": "tool_use", "id": tid, "name": block.name, "input": block.arguments}
-            )
+    content = response_content(result.message, result.tool_ids, SIGNATURE)
     if not any(b["type"] in ("text", "tool_use") for b in content):
         content.append({"type": "text", "text": ""})
     return {
@@ -156,7 +142,7 @@ class StreamProjector:
         elif isinstance(ev, ToolCallStarted):
             self.pending_ids[ev.index] = ev.id
         elif isinstance(ev, ToolUseStart):
-            tid = self.pending_ids.get(ev.index) or ("toolu_" + secrets.token_hex(16))
+            tid = self.pending_ids.get(ev.index) or new_tool_id()
             out += self._start({"type": "tool_use", "id": tid, "name": ev.name, "input": {}})
             self.tool_index[ev.index] = self.index
             self.any_visible = True

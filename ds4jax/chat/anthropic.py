@@ -29,10 +29,12 @@ Renderings chosen where the official V4 encoder has nothing (documented in the R
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ds4jax.chat.conversation import Conversation, Message, ToolCall, ToolSchema, UserBlock
+from ds4jax.chat.dsml_parse import ParsedCall, ParsedMessage, ParsedText
 
 THINK_MAX_MIN_CONTEXT = 393216
 _EFFORTS = {"max", "xhigh", "high", "medium", "low", "minimal", "none"}
@@ -370,3 +372,27 @@ def parse_messages_request(
         tool_choice=tool_choice,
         thinking_budget=budget,
     )
+
+
+def response_content(
+    message: ParsedMessage, tool_ids: Sequence[str], signature: str = ""
+) -> list[dict[str, Any]]:
+    """The Anthropic content blocks of a sampled assistant turn, in sampled order: what the
+    server returns, and so what a client sends back in its next request. Calls beyond
+    `tool_ids` (an incomplete turn) get fresh ids."""
+    from ds4jax.continuation.tool_memory import new_tool_id
+
+    content: list[dict[str, Any]] = []
+    if message.reasoning:
+        content.append({"type": "thinking", "thinking": message.reasoning, "signature": signature})
+    ids = iter(tool_ids)
+    for block in message.blocks:
+        if isinstance(block, ParsedText):
+            if block.text:
+                content.append({"type": "text", "text": block.text})
+        elif isinstance(block, ParsedCall):
+            tid = next(ids, None) or new_tool_id()
+            content.append(
+                {"type": "tool_use", "id": tid, "name": block.name, "input": block.arguments}
+            )
+    return content

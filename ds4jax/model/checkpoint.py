@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from ds4jax.config import Config
+from ds4jax.chat.tokenizer import Tokenizer
+from ds4jax.config import CONFIG_DIR, Config
 from ds4jax.model.loading import CheckpointError, load_hf_checkpoint
 from ds4jax.model.official import is_official_layout, load_official_checkpoint
 from ds4jax.model.params import Params, param_shapes
@@ -177,3 +178,42 @@ def convert(
         raise FileExistsError(f"{dst_p} exists (force=True replaces only a params checkpoint)")
     cfg, params = load_any(src_p, dtype)
     return save_params(params, cfg, dst_p, force=force)
+
+
+def resolve_model_dir(name_or_path: str | Path) -> Path:
+    """A checkpoint directory, or a named model shipped beside the named configs
+    (`configs/<name>/`, e.g. `demo`)."""
+    p = Path(name_or_path)
+    if p.exists():
+        return p
+    named = CONFIG_DIR / str(name_or_path)
+    if named.is_dir():
+        return named
+    names = sorted(q.name for q in CONFIG_DIR.iterdir() if q.is_dir())
+    raise FileNotFoundError(f"no model {str(name_or_path)!r}: no such directory (named: {names})")
+
+
+def load_model(
+    model: str | Path | None, config: str | None = None, seed: int = 0, dtype: Any = jnp.float32
+) -> tuple[Config, Params, Tokenizer, str]:
+    """(config, params, tokenizer, description) for the CLI and the server: a checkpoint
+    directory or named model (its own tokenizer.json or SentencePiece `.model` when it ships
+    one, else the official V4 tokenizer), or a named config with random weights."""
+    from ds4jax.chat.tokenizer import load_tokenizer
+    from ds4jax.config import load_config
+    from ds4jax.model.params import init_params
+
+    if model is not None:
+        d = resolve_model_dir(model)
+        cfg, params = load_any(d, dtype=dtype)
+        own = (d / "tokenizer.json").is_file() or any(d.glob("*.model"))
+        return cfg, params, load_tokenizer(d if own else None), f"model {model}"
+    if config is None:
+        raise ValueError("name a model or a config")
+    cfg = load_config(config)
+    params = init_params(cfg, seed=seed, dtype=dtype)
+    what = (
+        f"config {config!r} with RANDOM weights (seed {seed}): it shows the plumbing, "
+        "its text is noise"
+    )
+    return cfg, params, load_tokenizer(None), what

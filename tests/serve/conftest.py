@@ -296,10 +296,13 @@ SERVE_KEY = "sekrit"
 
 
 class ServeProcess:
-    def __init__(self, *args: str) -> None:
+    """`ds4jax serve` in a subprocess; `model` are its model flags (none: the default, the
+    trained demo)."""
+
+    def __init__(self, *args: str, model: tuple[str, ...] = ("--config", "tiny")) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = ("--config", "tiny", "--ctx", "2048", "--port", str(self.port), *args)
+        args = (*model, "--ctx", "2048", "--port", str(self.port), *args)
         cmd = [sys.executable, "-m", "ds4jax", "serve", *args]
         self.proc = subprocess.Popen(
             cmd,
@@ -340,20 +343,24 @@ class ServeProcess:
                 self.proc.kill()
 
 
-_early: list[ServeProcess] = []
+_early: dict[str, ServeProcess] = {}
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start `ds4jax serve` as soon as a selected test needs it: its ~30 s warm-up then
     overlaps the in-process tests instead of adding to them."""
-    if any("served" in getattr(item, "fixturenames", ()) for item in session.items):
-        _early.append(ServeProcess("--api-key", SERVE_KEY))
+    wanted = {f for item in session.items for f in getattr(item, "fixturenames", ())}
+    if "served" in wanted:
+        _early["served"] = ServeProcess("--api-key", SERVE_KEY)
+    if "demo_served" in wanted:
+        _early["demo_served"] = ServeProcess(model=())
 
 
-def take_served() -> ServeProcess | None:
-    return _early.pop() if _early else None
+def take_served(kind: str = "served") -> ServeProcess | None:
+    return _early.pop(kind, None)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    while _early:  # started but never used (a failure stopped the run first)
-        _early.pop().stop()
+    for server in _early.values():  # started but never used (a failure stopped the run first)
+        server.stop()
+    _early.clear()
