@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from ds4jax.config import Config, from_hf_config, load_config
+from ds4jax.config import Config, from_hf_config, load_config, to_hf_config
 from ds4jax.model import names
 from ds4jax.model.loading import CheckpointError, assemble, safetensor_files
 from ds4jax.model.params import Params, path_name
@@ -61,12 +61,6 @@ _E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 _PLAIN_FLOATS = frozenset(
     np.dtype(t) for t in (np.float16, np.float32, np.float64, ml_dtypes.bfloat16)
 )
-#: Config attention kinds → transformers' `layer_types` names.
-_LAYER_TYPES = {
-    "sliding": "sliding_attention",
-    "csa": "compressed_sparse_attention",
-    "hca": "heavily_compressed_attention",
-}
 #: E2M1 code → value (bit 3 is the sign).
 _E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 #: Packed byte → (value of the low nibble, value of the high nibble) as one 8-byte word, so
@@ -390,79 +384,46 @@ def load_official_checkpoint(
 def release_config(cfg: Config, *, mtp_layers: int = 1) -> dict[str, Any]:
     """An HF-style release `config.json` (model_type deepseek_v4) that `from_hf_config` maps
     back to `cfg` (quant_sim aside, which it does not carry). `compress_ratios` lists
-    `mtp_layers` extra entries like the release does; `layer_types` is authoritative."""
-    csa = cfg.csa_ratio
-    hca = sorted(
-        {r for r, k in zip(cfg.compress_ratios, cfg.attn_types, strict=True) if k == "hca"}
-    )
-    if len(hca) > 1:
-        raise ValueError(f"one HCA ratio per model is representable, config has {hca}")
+    `mtp_layers` extra entries like the release does; `layer_types` is authoritative.
+
+    `to_hf_config(cfg)` with the release's differences, in the release's key order:
+    `torch_dtype`, `qk_rope_head_dim` for `partial_rotary_factor`, `compress_ratios`,
+    `num_hash_layers`, `num_nextn_predict_layers`, nested `rope_parameters`, the FP8/FP4
+    quantization fields."""
+    hf = to_hf_config(cfg)
     # transformers' nested form: "main" for sliding layers, "compress" (YaRN) for the others
-    compress: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.compress_rope_theta}
+    flat = dict(hf["rope_parameters"])
+    compress = {"rope_type": flat.pop("rope_type"), "rope_theta": cfg.compress_rope_theta}
+    compress |= flat
     if cfg.yarn is not None:
-        compress = {
-            "rope_type": "yarn",
-            "rope_theta": cfg.compress_rope_theta,
-            "factor": cfg.yarn.factor,
-            "original_max_position_embeddings": cfg.yarn.original_max_position,
-            "beta_fast": cfg.yarn.beta_fast,
-            "beta_slow": cfg.yarn.beta_slow,
-            "attention_factor": 1.0,
-        }
-    rope = {"main": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "compress": compress}
-    d: dict[str, Any] = {
-        "architectures": ["DeepseekV4ForCausalLM"],
-        "model_type": "deepseek_v4",
-        "torch_dtype": "bfloat16",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": 1,
-        "head_dim": cfg.head_dim,
-        "qk_rope_head_dim": cfg.rope_dim,
-        "q_lora_rank": cfg.q_lora_rank,
-        "o_groups": cfg.o_groups,
-        "o_lora_rank": cfg.o_lora_rank,
-        "n_routed_experts": cfg.num_experts,
-        "num_experts_per_tok": cfg.num_experts_per_tok,
-        "n_shared_experts": cfg.num_shared_experts,
-        "moe_intermediate_size": cfg.moe_intermediate_size,
-        "routed_scaling_factor": cfg.routed_scaling_factor,
-        "swiglu_limit": cfg.swiglu_limit,
-        "rms_norm_eps": cfg.rms_eps,
-        "hc_mult": cfg.hc_mult,
-        "hc_sinkhorn_iters": cfg.hc_sinkhorn_iters,
-        "hc_eps": cfg.hc_eps,
-        "sliding_window": cfg.sliding_window,
-        "layer_types": [_LAYER_TYPES[k] for k in cfg.attn_types],
-        "compress_ratios": list(cfg.compress_ratios) + [0] * mtp_layers,
-        "compress_rates": {
-            "compressed_sparse_attention": csa,
-            "heavily_compressed_attention": hca[0] if hca else 128,
+        compress["attention_factor"] = 1.0
+    inserted_after: dict[str, dict[str, Any]] = {
+        "model_type": {"torch_dtype": "bfloat16"},
+        "layer_types": {"compress_ratios": list(cfg.compress_ratios) + [0] * mtp_layers},
+        "mlp_layer_types": {
+            "num_hash_layers": sum(cfg.hash_layers),
+            "num_nextn_predict_layers": mtp_layers,
         },
-        "mlp_layer_types": ["hash_moe" if h else "moe" for h in cfg.hash_layers],
-        "num_hash_layers": sum(cfg.hash_layers),
-        "num_nextn_predict_layers": mtp_layers,
-        "index_n_heads": cfg.index_heads,
-        "index_head_dim": cfg.index_head_dim,
-        "index_topk": cfg.index_topk,
-        "rope_theta": cfg.rope_theta,
-        "compress_rope_theta": cfg.compress_rope_theta,
-        "rope_parameters": rope,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": cfg.eos_token_id,
-        "tie_word_embeddings": False,
-        "quantization_config": {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "activation_scheme": "dynamic",
-            "scale_fmt": "ue8m0",
-            "weight_block_size": list(FP8_BLOCK),
-        },
-        "expert_dtype": "fp4",
     }
+    d: dict[str, Any] = {"architectures": hf.pop("architectures")}
+    for k, v in hf.items():
+        if k == "partial_rotary_factor":
+            d["qk_rope_head_dim"] = cfg.rope_dim
+            continue
+        d[k] = v
+        d.update(inserted_after.get(k, {}))
+    d["rope_parameters"] = {
+        "main": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "compress": compress,
+    }
+    d["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": list(FP8_BLOCK),
+    }
+    d["expert_dtype"] = "fp4"
     back = from_hf_config(d, quant_sim=cfg.quant_sim)
     if back != cfg:
         diff = {k: v for k, v in cfg.to_dict().items() if back.to_dict()[k] != v}
