@@ -66,7 +66,9 @@ def _load_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """(config, params, tokenizer) from --model DIR|NAME or --config NAME [--seed S]."""
     from ds4jax.model.checkpoint import load_model
 
-    cfg, params, tokenizer, _ = load_model(args.model, args.config, args.seed)
+    cfg, params, tokenizer, _ = load_model(
+        args.model, args.config, args.seed, attention_impl=args.attention_impl
+    )
     quant = getattr(args, "quant_sim", None)
     if quant is not None:
         cfg = cfg.replace(quant_sim=quant == "on")
@@ -174,6 +176,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def add_attention_impl(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument(
+        "--attention-impl", choices=["auto", "xla", "pallas"], default=None,
+        help="attention: the config's (default; usually auto: per op the faster measured "
+        "choice on this platform), xla (jnp twins) or pallas (the kernels)",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds4jax", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -225,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
         )  # fmt: skip
         src.add_argument("--config", help="named config with random weights, e.g. tiny")
         sp.add_argument("--seed", type=int, default=0, help="weights seed with --config")
+        add_attention_impl(sp)
 
     sp = sub.add_parser("dump-logits", help="write float32 logits for every prompt position")
     with_model(sp)

@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any
 
+from ds4jax.cli import add_attention_impl
 from ds4jax.config import CONFIG_DIR
 from ds4jax.engine import Engine
 from serve.app import ServerConfig, create_app
@@ -34,6 +35,7 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     )
     src.add_argument("--config", help="named config with random weights, e.g. tiny")
     sp.add_argument("--seed", type=int, default=DEFAULT_SEED, help="weights seed with --config")
+    add_attention_impl(sp)
     sp.add_argument("--host", default="127.0.0.1")
     sp.add_argument("--port", type=int, default=8000)
     sp.add_argument("--ctx", type=int, default=8192, help="context size in tokens")
@@ -57,7 +59,9 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
             model = DEFAULT_MODEL
         else:  # a checkout without the trained demo: still serve, with the plumbing model
             config = FALLBACK_CONFIG
-    cfg, params, tokenizer, banner = load_model(model, config, args.seed)
+    cfg, params, tokenizer, banner = load_model(
+        model, config, args.seed, attention_impl=args.attention_impl
+    )
     if model == DEFAULT_MODEL:
         banner += " (the trained demo: it calls add(a, b) and get_weather(city))"
     store = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -98,3 +99,17 @@ def test_tokenizer_train_then_tokenize_with_it(tmp_path: Path) -> None:
         str(tmp_path / "bad"),
     )
     assert out.returncode == 1 and b"too small" in out.stderr
+
+
+def test_attention_impl_flag_reaches_the_config() -> None:
+    from ds4jax.model.checkpoint import load_model
+    from serve.main import add_arguments
+
+    cfg, *_ = load_model(None, "tiny", attention_impl="pallas")
+    assert cfg.attention_impl == "pallas"
+    assert load_model(None, "tiny")[0].attention_impl == "auto"  # the config's own
+    sp = argparse.ArgumentParser()
+    add_arguments(sp)
+    assert sp.parse_args(["--attention-impl", "xla"]).attention_impl == "xla"
+    out = run("generate", "--config", "tiny", "-p", "x", "--attention-impl", "fast")
+    assert out.returncode == 2 and b"invalid choice" in out.stderr

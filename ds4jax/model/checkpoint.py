@@ -194,11 +194,26 @@ def resolve_model_dir(name_or_path: str | Path) -> Path:
 
 
 def load_model(
-    model: str | Path | None, config: str | None = None, seed: int = 0, dtype: Any = jnp.float32
+    model: str | Path | None,
+    config: str | None = None,
+    seed: int = 0,
+    dtype: Any = jnp.float32,
+    *,
+    attention_impl: str | None = None,
 ) -> tuple[Config, Params, Tokenizer, str]:
     """(config, params, tokenizer, description) for the CLI and the server: a checkpoint
     directory or named model (its own tokenizer.json or SentencePiece `.model` when it ships
-    one, else the official V4 tokenizer), or a named config with random weights."""
+    one, else the official V4 tokenizer), or a named config with random weights.
+    `attention_impl` overrides the config's (xla / pallas / auto)."""
+    cfg, params, tokenizer, what = _load(model, config, seed, dtype)
+    if attention_impl is not None:
+        cfg = cfg.replace(attention_impl=attention_impl)
+    return cfg, params, tokenizer, what
+
+
+def _load(
+    model: str | Path | None, config: str | None, seed: int, dtype: Any
+) -> tuple[Config, Params, Tokenizer, str]:
     from ds4jax.chat.tokenizer import load_tokenizer
     from ds4jax.config import load_config
     from ds4jax.model.params import init_params
