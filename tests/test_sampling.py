@@ -1,0 +1,63 @@
+"""`ds4jax.sampling`: the top-p nucleus is the same set whether it is found among the top
+candidates or by sorting the whole vocabulary, and the filters keep what they promise."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ds4jax.sampling import NUCLEUS_CANDIDATES, nucleus, sample
+
+V = 129280
+
+
+def mass_before(z: np.ndarray) -> np.ndarray:
+    """Per token, the probability (float64) of the tokens ranked before it (descending,
+    ties by lower id)."""
+    order = np.argsort(-z, kind="stable")
+    p = np.exp(z.astype(np.float64) - z.max())
+    p /= p.sum()
+    out = np.empty(z.shape)
+    out[order] = np.cumsum(p[order]) - p[order]
+    return out
+
+
+def nucleus_by_sorting(z: np.ndarray, top_p: float) -> np.ndarray:
+    """The definition: keep while the mass ranked before a token is < top_p."""
+    return mass_before(z) < top_p
+
+
+@pytest.mark.parametrize("scale", [8.0, 3.0, 0.3])  # peaked … flat (whole-vocab fallback)
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_nucleus_matches_the_definition(scale: float, top_p: float) -> None:
+    z = (np.random.default_rng(int(scale * 10)).standard_normal(V) * scale).astype(np.float32)
+    got = np.asarray(nucleus(jnp.asarray(z), top_p))
+    before = mass_before(z)
+    # float32 sums over ~1e5 terms round: only tokens at the boundary may go either way
+    differ = got != (before < top_p)
+    assert got.sum() >= 1 and (np.abs(before[differ] - top_p) < 1e-5).all()
+    assert differ.sum() <= 4
+
+
+def test_both_paths_are_taken() -> None:
+    peaked = np.zeros(V, np.float32)
+    peaked[:10] = 20.0
+    assert np.asarray(nucleus(jnp.asarray(peaked), 0.9)).sum() == 10  # among candidates
+    flat = np.zeros(V, np.float32)  # every token ties: kept by id order, beyond the candidates
+    kept = np.asarray(nucleus(jnp.asarray(flat), 0.5))
+    assert kept.sum() > NUCLEUS_CANDIDATES and kept[: kept.sum()].all()
+
+
+def test_sample_respects_top_k_top_p_and_min_p() -> None:
+    z = jnp.asarray(np.linspace(0.0, 8.0, 64, dtype=np.float32))
+    keys = jax.random.split(jax.random.key(0), 200)
+    assert int(sample(z, keys[0])) == 63  # greedy
+    top_k = {int(sample(z, k, temperature=1.0, top_k=3)) for k in keys}
+    assert top_k <= {61, 62, 63} and len(top_k) > 1
+    allowed = set(np.flatnonzero(nucleus_by_sorting(np.asarray(z), 0.8)))
+    assert {int(sample(z, k, temperature=1.0, top_p=0.8)) for k in keys} <= allowed
+    p = np.exp(np.asarray(z) - 8.0)
+    allowed = set(np.flatnonzero(p >= 0.2))
+    assert {int(sample(z, k, temperature=1.0, min_p=0.2)) for k in keys} <= allowed
