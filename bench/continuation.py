@@ -77,8 +77,7 @@ def measure(engine: Any, tok: Any, n: int, store_dir: Path) -> dict:
     from ds4jax.kvstore.store import NoStore
 
     def prepared(body: dict, max_tokens: int = 1):
-        req = parse_messages_request(body)
-        return engine.prepare(req.conversation, max_tokens=max_tokens, has_tools=True)
+        return engine.prepare_request(parse_messages_request(body), max_tokens=max_tokens)
 
     def open_store() -> DiskStore:
         # for the disk path only, and saving on a clean exit only: the other paths run

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from ds4jax.chat import specials
+from ds4jax.chat.anthropic import MessagesRequest
 from ds4jax.chat.conversation import Conversation
 from ds4jax.chat.dsml_parse import (
     DSMLStreamParser,
@@ -211,6 +212,27 @@ class Engine:
             thinking_budget=thinking_budget,
             force_after_think=force,
             single_tool_call=bool((tool_choice or {}).get("disable_parallel_tool_use")),
+        )
+
+    def prepare_request(
+        self,
+        req: MessagesRequest,
+        *,
+        max_tokens: int | None = None,
+        sampling: SamplingParams | None = None,
+    ) -> Prepared:
+        """`prepare` for a parsed Messages request: its stop sequences, thinking budget and
+        tool_choice; tools count when the rendered conversation declares some (tool_choice
+        "none" has removed them). `max_tokens` overrides the request's."""
+        conv = req.conversation
+        return self.prepare(
+            conv,
+            max_tokens=req.max_tokens if max_tokens is None else max_tokens,
+            has_tools=bool(conv.messages and conv.messages[0].tools),
+            sampling=sampling,
+            stop_sequences=req.stop_sequences,
+            thinking_budget=req.thinking_budget,
+            tool_choice=req.tool_choice,
         )
 
     # ------------------------------------------------------------------ worker side

@@ -165,22 +165,13 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
                     f"max_tokens: {req.max_tokens} exceeds the model's maximum "
                     f"({engine.cfg.max_position_embeddings})"
                 )
-            has_tools = bool(req.conversation.messages and req.conversation.messages[0].tools)
             sampling = SamplingParams(
                 temperature=1.0 if req.temperature is None else float(req.temperature),
                 top_k=req.top_k or 0,
                 top_p=1.0 if req.top_p is None else float(req.top_p),
                 min_p=config.min_p,
             )
-            prepared = engine.prepare(
-                req.conversation,
-                max_tokens=req.max_tokens,
-                has_tools=has_tools,
-                sampling=sampling,
-                stop_sequences=req.stop_sequences,
-                thinking_budget=req.thinking_budget,
-                tool_choice=req.tool_choice,
-            )
+            prepared = engine.prepare_request(req, sampling=sampling)
         except RequestError as err:
             return _err(err.status, err.message, err.error_type)
         except EngineError as err:

@@ -51,11 +51,11 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
 
 
 def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
-    from ds4jax.model.checkpoint import is_params_checkpoint, load_model
+    from ds4jax.model.checkpoint import load_model
 
     model, config = args.model, args.config
     if model is None and config is None:
-        if is_params_checkpoint(CONFIG_DIR / DEFAULT_MODEL):
+        if (CONFIG_DIR / DEFAULT_MODEL).is_dir():
             model = DEFAULT_MODEL
         else:  # a checkout without the trained demo: still serve, with the plumbing model
             config = FALLBACK_CONFIG

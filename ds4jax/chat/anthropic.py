@@ -35,6 +35,7 @@ from typing import Any
 
 from ds4jax.chat.conversation import Conversation, Message, ToolCall, ToolSchema, UserBlock
 from ds4jax.chat.dsml_parse import ParsedCall, ParsedMessage, ParsedText
+from ds4jax.continuation.tool_memory import new_tool_id
 
 THINK_MAX_MIN_CONTEXT = 393216
 _EFFORTS = {"max", "xhigh", "high", "medium", "low", "minimal", "none"}
@@ -380,8 +381,6 @@ def response_content(
     """The Anthropic content blocks of a sampled assistant turn, in sampled order: what the
     server returns, and so what a client sends back in its next request. Calls beyond
     `tool_ids` (an incomplete turn) get fresh ids."""
-    from ds4jax.continuation.tool_memory import new_tool_id
-
     content: list[dict[str, Any]] = []
     if message.reasoning:
         content.append({"type": "thinking", "thinking": message.reasoning, "signature": signature})

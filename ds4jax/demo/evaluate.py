@@ -43,10 +43,7 @@ class Outcome:
 
 def _serve(engine: Engine, body: dict[str, Any]) -> Result:
     req = parse_messages_request(body, max_context=engine.max_len)
-    prepared = engine.prepare(
-        req.conversation, max_tokens=req.max_tokens, has_tools=bool(body.get("tools"))
-    )
-    return engine.run(prepared)
+    return engine.run(engine.prepare_request(req))
 
 
 def run_loop(engine: Engine, task: Task, *, thinking: bool = True) -> Outcome:

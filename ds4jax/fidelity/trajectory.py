@@ -276,5 +276,4 @@ def live_trajectory(
 
 
 def _prepare(engine: Engine, body: dict[str, Any], max_tokens: int = 4096) -> Any:
-    req = parse_messages_request(body)
-    return engine.prepare(req.conversation, max_tokens=max_tokens, has_tools=True)
+    return engine.prepare_request(parse_messages_request(body), max_tokens=max_tokens)

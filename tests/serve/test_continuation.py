@@ -244,6 +244,27 @@ async def test_stale_tool_result_id_after_another_request_is_a_400(
     assert assert_anthropic_error(info.value.response, 400) == unknown_id(tid)
 
 
+async def live_id_then_held_unrelated(
+    client: anthropic.AsyncAnthropic, worker: EngineWorker, gate: Gate
+) -> tuple[str, asyncio.Future]:
+    """A tool turn's live id, then an unrelated request B taken by the worker and held at
+    the gate (it will move the live state once the gate opens)."""
+    gate.open()
+    tid = (await tool_turn(client)).content[-1].id
+    gate.close()
+    b = asyncio.ensure_future(
+        client.messages.create(
+            model=MODEL,
+            max_tokens=4,
+            messages=user("unrelated"),
+            thinking=NO_THINK,
+            extra_body=force("ok"),
+        )
+    )
+    await wait_until(lambda: worker.running is not None)
+    return tid, b
+
+
 @pytest.mark.parametrize(
     ("shape", "stream"),
     [(results_only, False), (results_only, True), (without_tool_use, False)],
@@ -257,20 +278,8 @@ async def test_live_only_tool_result_gets_409_when_the_live_state_moved_first(
     shape: Any,
     stream: bool,
 ) -> None:
-    gate.open()
-    tid = (await tool_turn(client)).content[-1].id
-    gate.close()
     # B (unrelated) is taken by the worker and held at the gate ...
-    b = asyncio.ensure_future(
-        client.messages.create(
-            model=MODEL,
-            max_tokens=4,
-            messages=user("unrelated"),
-            thinking=NO_THINK,
-            extra_body=force("ok"),
-        )
-    )
-    await wait_until(lambda: worker.running is not None)
+    tid, b = await live_id_then_held_unrelated(client, worker, gate)
     # ... so C validates against A's live id (accepted, queued behind B) ...
     c = asyncio.ensure_future(
         client.messages.create(
@@ -302,19 +311,7 @@ async def test_409_after_the_stream_started_is_an_error_event(
 ) -> None:
     """A stream queued past the server's 1 s grace period is already open when its 409
     comes: it ends with an `error` event, with no message_stop."""
-    gate.open()
-    tid = (await tool_turn(client)).content[-1].id
-    gate.close()
-    b = asyncio.ensure_future(
-        client.messages.create(
-            model=MODEL,
-            max_tokens=4,
-            messages=user("unrelated"),
-            thinking=NO_THINK,
-            extra_body=force("ok"),
-        )
-    )
-    await wait_until(lambda: worker.running is not None)
+    tid, b = await live_id_then_held_unrelated(client, worker, gate)
     payload = {
         "model": MODEL,
         "max_tokens": 8,
