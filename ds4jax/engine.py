@@ -1,12 +1,17 @@
-"""The engine: the single owner of the params, the live frontier and the bindings.
+"""The engine: the single owner of the params and of every retained state.
 
 One request at a time (`run` holds a lock; the server gives it one worker thread):
-validate (`prepare`) → decide (`continuation.decide`) → prefill the suffix in chunks →
-decode with sampling and stop conditions → events through the streaming DSML parser →
-update the bindings. The live frontier is replaced, never mutated, and only after the step
-that produced it finished; a cancelled or failed request leaves a consistent frontier (the
-last evaluated token). Nothing else is kept in RAM: no snapshot cache papering over
-mismatches.
+validate (`prepare`) → route (`continuation.pool.route`: a session and a decision) →
+prefill the suffix in chunks → retain the prompt-end state as a fork point → decode with
+sampling and stop conditions → events through the streaming DSML parser → update that
+session's bindings → drop what the state budget no longer holds (`pool.evictions`, saved to
+disk first when a store is configured). A live frontier is replaced, never mutated, and only
+after the step that produced it finished; a cancelled or failed request leaves a consistent
+frontier (the last evaluated token). Fork points hold prompt ends only, never a state that
+would paper over a tool-id mismatch.
+
+`Engine(...)` alone is the single-session engine of the original rules (one session, no
+fork points); `ds4jax serve` runs it with `--sessions` (default 4) and fork points on.
 """
 
 from __future__ import annotations
@@ -38,8 +43,8 @@ from ds4jax.chat.render import render
 from ds4jax.chat.segments import Segment, normalize, template
 from ds4jax.chat.tokenizer import Tokenizer
 from ds4jax.config import Config
-from ds4jax.continuation.decide import decide
 from ds4jax.continuation.evidence import attach_tool_memory, tool_tail, validate_tool_results
+from ds4jax.continuation.pool import Pool, Route, Session, evictions, route
 from ds4jax.continuation.tool_memory import ToolMemory, new_tool_id
 from ds4jax.continuation.types import (
     Bindings,
@@ -96,6 +101,8 @@ class Prepared:
     force_after_think: str | None = None
     #: `disable_parallel_tool_use`: close the block after its first invoke.
     single_tool_call: bool = False
+    #: a client's session hint (`metadata.user_id`, `x-session-id`): breaks routing ties
+    hint: str | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -123,6 +130,8 @@ class Result:
     stop_sequence: str | None = None
     raw_text: str = ""
     prefill_seconds: float = 0.0
+    session: int = 0  # the slot that served it
+    forked_from: int | None = None  # the slot whose fork point it continued
 
     @property
     def prompt_tokens(self) -> int:
@@ -145,6 +154,9 @@ class Engine:
         store: KVStore | None = None,
         tool_memory: ToolMemory | None = None,
         chunk_sizes: Sequence[int] = CHUNK_SIZES,
+        sessions: int = 1,
+        fork_points: bool = False,
+        state_budget_bytes: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.params = params
@@ -154,18 +166,47 @@ class Engine:
         self.tool_memory = tool_memory or ToolMemory()
         self.chunk_sizes = tuple(chunk_sizes)
         self._empty = init_state(cfg, max_len)
-        self.live: LiveFrontier | None = None
-        self.bindings = Bindings()
+        self.state_nbytes = sum(x.nbytes for x in jax.tree.leaves(self._empty))
+        if state_budget_bytes is not None and state_budget_bytes < self.state_nbytes:
+            raise ValueError(
+                f"the state budget ({state_budget_bytes} bytes) holds no state: one takes "
+                f"{self.state_nbytes} bytes at a context of {max_len}"
+            )
+        self._pool_args = dict(budget=state_budget_bytes, state_nbytes=self.state_nbytes,
+                               keep_forks=fork_points)  # fmt: skip
+        self.pool = Pool.create(sessions, **self._pool_args)
         self._lock = threading.Lock()  # one request at a time
         self._state_lock = threading.Lock()  # guards live + bindings for readers
         self._special_ids = {tokenizer.special_id(s) for s in specials.TEMPLATE_SPECIALS}
 
     # ------------------------------------------------------------------ client side
 
+    @property
+    def session(self) -> Session:
+        """The session of the latest request."""
+        return self.pool.sessions[self.pool.current]
+
+    @property
+    def live(self) -> LiveFrontier | None:
+        """The latest request's live frontier (the only one of a single-session engine)."""
+        return self.session.live
+
+    @live.setter
+    def live(self, frontier: LiveFrontier | None) -> None:
+        self.session.live = frontier
+
+    @property
+    def bindings(self) -> Bindings:
+        return self.session.bindings
+
     def live_tool_ids(self) -> frozenset[str]:
+        """The tool ids of every session's live tool call."""
         with self._state_lock:
-            tb = self.bindings.tool
-            return tb.ids if tb is not None else frozenset()
+            return self.pool.live_tool_ids()
+
+    def stats(self) -> dict[str, Any]:
+        with self._state_lock:
+            return self.pool.stats()
 
     def prepare(
         self,
@@ -177,6 +218,7 @@ class Engine:
         stop_sequences: Sequence[str] = (),
         thinking_budget: int | None = None,
         tool_choice: dict[str, Any] | None = None,
+        hint: str | None = None,
     ) -> Prepared:
         """Validation and rendering, before queueing. Raises EngineError(400) for a
         tool_result that is neither live nor backed by a replayed tool_use, or a prompt that
@@ -212,6 +254,7 @@ class Engine:
             thinking_budget=thinking_budget,
             force_after_think=force,
             single_tool_call=bool((tool_choice or {}).get("disable_parallel_tool_use")),
+            hint=hint,
         )
 
     def prepare_request(
@@ -220,10 +263,12 @@ class Engine:
         *,
         max_tokens: int | None = None,
         sampling: SamplingParams | None = None,
+        hint: str | None = None,
     ) -> Prepared:
         """`prepare` for a parsed Messages request: its stop sequences, thinking budget and
         tool_choice; tools count when the rendered conversation declares some (tool_choice
-        "none" has removed them). `max_tokens` overrides the request's."""
+        "none" has removed them). `max_tokens` overrides the request's; `hint` (a client's
+        session header) takes precedence over its `metadata.user_id`."""
         conv = req.conversation
         return self.prepare(
             conv,
@@ -233,6 +278,7 @@ class Engine:
             stop_sequences=req.stop_sequences,
             thinking_budget=req.thinking_budget,
             tool_choice=req.tool_choice,
+            hint=hint or req.user_id,
         )
 
     # ------------------------------------------------------------------ worker side
@@ -254,9 +300,13 @@ class Engine:
             out.append(Segment(run.decode("utf-8", errors="replace")))
         return out
 
-    def decide(self, prepared: Prepared) -> Decision | Rejection:
+    def route(self, prepared: Prepared) -> Route | Rejection:
         with self._state_lock:
-            return decide(prepared.view, self.live, self.bindings, self.store)
+            return route(prepared.view, self.pool, self.store, prepared.hint)
+
+    def decide(self, prepared: Prepared) -> Decision | Rejection:
+        r = self.route(prepared)
+        return r if isinstance(r, Rejection) else r.decision
 
     def run(
         self,
@@ -276,9 +326,10 @@ class Engine:
 
     def _run(self, prepared, on_event, progress, cancel, on_decision, forced_tokens) -> Result:
         emit = on_event or (lambda _e: None)
-        decision = self.decide(prepared)
-        if isinstance(decision, Rejection):
-            raise EngineError(decision.status, decision.message, decision.error_type)
+        routed = self.route(prepared)
+        if isinstance(routed, Rejection):
+            raise EngineError(routed.status, routed.message, routed.error_type)
+        decision, session = routed.decision, self.pool.sessions[routed.slot]
 
         # ---- the base state and the suffix
         if decision.source == CacheSource.DISK:
@@ -295,9 +346,11 @@ class Engine:
             base_state, base_segments = disk_state, decision.disk.segments
             for tid, block in decision.disk.tool_entries.items():
                 self.tool_memory.remember([tid], block)
+        elif decision.source == CacheSource.FORK:
+            base_state, base_segments = routed.fork.frontier.state, routed.fork.frontier.segments
         else:
-            assert self.live is not None
-            base_state, base_segments = self.live.state, self.live.segments
+            assert session.live is not None
+            base_state, base_segments = session.live.state, session.live.segments
         if decision.suffix_tokens is not None:
             suffix = list(decision.suffix_tokens)
         else:
@@ -309,27 +362,33 @@ class Engine:
             )
         if decision.source == CacheSource.LIVE_TOOL:
             log.info(
-                "anthropic live continuation match=tool-output-ids ids=%d cached=%d prompt=%d",
+                "anthropic live continuation match=tool-output-ids ids=%d cached=%d prompt=%d "
+                "session=%d",
                 len(prepared.view.tail_ids),
                 decision.cached,
                 len(tokens),
+                session.slot,
             )
         else:
+            if routed.fork is not None:
+                log.info("fork from=%d at=%d session=%d", routed.fork.owner, decision.cached,
+                         session.slot)  # fmt: skip
             log.info(
-                "cache source=%s cached=%d prompt=%d",
+                "cache source=%s cached=%d prompt=%d session=%d",
                 decision.source.value,
                 decision.cached,
                 len(tokens),
+                session.slot,
             )
 
         if on_decision is not None:
             on_decision(decision, len(suffix))
 
-        # A miss replaces the live frontier: keep it on disk first, so a client that comes
-        # back to that conversation finds it (ds4's "evict" save).
-        live = self.live
-        if decision.source in (CacheSource.DISK, CacheSource.COLD) and live and live.pos:
-            self._save(live.tokens, live.state, "evict")
+        # A request that takes a used slot replaces its live frontier: keep it on disk
+        # first, so a client that comes back to that conversation finds it (ds4's "evict")
+        displaced = routed.displaced
+        if displaced is not None and displaced.pos:
+            self._save(displaced.tokens, displaced.state, "evict")
 
         # ---- prefill the suffix, stopping at the store's save points
         t0 = time.perf_counter()
@@ -350,26 +409,57 @@ class Engine:
         state.logits.block_until_ready()
         prefill_seconds = time.perf_counter() - t0
         log.info("prompt done %.3fs", prefill_seconds)
-        if decision.suffix_tokens is not None:  # cold or token prefix: all request tokens
+        if decision.suffix_tokens is not None:  # all request tokens (cold, token prefixes)
             live_segments = prepared.view.segments
         else:
             live_segments = normalize([*base_segments, *(decision.suffix_segments or ())])
+        prompt_end = LiveFrontier(state, tuple(tokens), live_segments)
         with self._state_lock:
-            self.live = LiveFrontier(state, tuple(tokens), live_segments)
+            pool = self.pool
+            if decision.source in (CacheSource.FORK, CacheSource.DISK, CacheSource.COLD):
+                session.clear()  # a new conversation in this slot
+            session.live = prompt_end
+            session.used = pool.tick()
+            session.hint = prepared.hint or session.hint
+            pool.current = session.slot
+            pool.hits[decision.source.value] += 1
             if decision.source != CacheSource.LIVE_TOOL:
-                self.bindings.tool = None
+                session.bindings.tool = None
             if decision.source != CacheSource.THINKING_VISIBLE:
-                self.bindings.thinking = None
+                session.bindings.thinking = None
+            pool.retain(prompt_end, session.slot)
 
         # ---- decode
-        result = self._decode(prepared, state, tokens, live_segments, emit, cancel, forced_tokens)
+        try:
+            result = self._decode(
+                prepared, session, state, tokens, live_segments, emit, cancel, forced_tokens
+            )
+        finally:
+            self._enforce_budget(session.slot)
         result.source = decision.source
         result.cached = decision.cached
         result.prefilled = len(suffix)
         result.prefill_seconds = prefill_seconds
+        result.session = session.slot
+        result.forked_from = routed.fork.owner if routed.fork is not None else None
         return result
 
-    def _decode(self, prepared, state, tokens, segments, emit, cancel, forced) -> Result:
+    def _enforce_budget(self, keep: int) -> None:
+        """Drop what the state budget no longer holds; with a store, evicted states are
+        saved first (they come back as disk hits)."""
+        with self._state_lock:
+            forks, slots = evictions(self.pool, keep)
+            dropped = [f.frontier for f in forks]
+            dropped += [self.pool.sessions[i].live for i in slots]
+            self.pool.forks = [f for f in self.pool.forks if f not in forks]
+            for i in slots:
+                self.pool.sessions[i].clear()
+        for frontier in dropped:
+            if frontier is not None and frontier.pos:
+                log.info("evict %d tokens (state budget)", frontier.pos)
+                self._save(frontier.tokens, frontier.state, "evict")
+
+    def _decode(self, prepared, session, state, tokens, segments, emit, cancel, forced) -> Result:
         tok = self.tokenizer
         parser = DSMLStreamParser(thinking=prepared.thinking)
         events: list[Event] = []
@@ -479,12 +569,12 @@ class Engine:
             state, tuple(tokens), normalize([*segments, *self._segments_of(generated)])
         )
         with self._state_lock:
-            self.live = live
-            self.bindings.tool = None
-            self.bindings.thinking = None
+            session.live = live
+            session.bindings.tool = None
+            session.bindings.thinking = None
             if finish == "tool_use" and parser.raw_dsml is not None:
                 self.tool_memory.remember(tool_ids, parser.raw_dsml)
-                self.bindings.tool = ToolBinding(frozenset(tool_ids), live.pos)
+                session.bindings.tool = ToolBinding(frozenset(tool_ids), live.pos)
             elif (
                 finish == "end_turn"
                 and prepared.thinking
@@ -493,7 +583,7 @@ class Engine:
                 and message.reasoning is not None
                 and not in_thinking
             ):
-                self.bindings.thinking = ThinkingBinding(
+                session.bindings.thinking = ThinkingBinding(
                     self._visible_transcript(prepared.view.segments, message.content), live.pos
                 )
         return Result(
@@ -550,11 +640,13 @@ class Engine:
             log.warning("kv store: %s save of %d tokens failed: %s", reason, len(tokens), err)
 
     def shutdown(self) -> None:
-        """Clean exit: persist the live frontier (the store decides whether to keep it)."""
+        """Clean exit: persist every session's live frontier (the store decides whether to
+        keep each), the latest request's first."""
         with self._lock:
-            live = self.live
-            if live is not None and live.pos:
-                self._save(live.tokens, live.state, "shutdown")
+            order = sorted(self.pool.sessions, key=lambda s: -s.used)
+            for live in (s.live for s in order):
+                if live is not None and live.pos:
+                    self._save(live.tokens, live.state, "shutdown")
 
     # ------------------------------------------------------------------ introspection
 
@@ -577,7 +669,6 @@ class Engine:
         return np.asarray(state.logits)
 
     def reset(self) -> None:
-        """Forget the live frontier and bindings (a restart, as far as RAM goes)."""
+        """Forget every session and fork point (a restart, as far as RAM goes)."""
         with self._lock, self._state_lock:
-            self.live = None
-            self.bindings = Bindings()
+            self.pool = Pool.create(len(self.pool.sessions), **self._pool_args)

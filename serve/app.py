@@ -114,6 +114,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
             "model": config.model_name,
             "live_tokens": live.pos if live is not None else 0,
             "context": engine.max_len,
+            **engine.stats(),
         }
         return Response(json.dumps(body), status=200 if config.state == "ready" else 503,
                         content_type="application/json")  # fmt: skip
@@ -171,7 +172,8 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
                 top_p=1.0 if req.top_p is None else float(req.top_p),
                 min_p=config.min_p,
             )
-            prepared = engine.prepare_request(req, sampling=sampling)
+            hint = request.headers.get("x-session-id") or None
+            prepared = engine.prepare_request(req, sampling=sampling, hint=hint)
         except RequestError as err:
             return _err(err.status, err.message, err.error_type)
         except EngineError as err:

@@ -24,6 +24,8 @@ log = logging.getLogger("ds4jax.serve")
 DEFAULT_MODEL = "demo"
 FALLBACK_CONFIG = "tiny"
 DEFAULT_SEED = 0
+DEFAULT_SESSIONS = 4
+DEFAULT_STATE_BUDGET_MB = 4096
 
 
 def add_arguments(sp: argparse.ArgumentParser) -> None:
@@ -42,6 +44,10 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--api-key", default=os.environ.get("DS4JAX_API_KEY"),
                     help="require this key (x-api-key or Bearer); env DS4JAX_API_KEY")  # fmt: skip
     sp.add_argument("--model-name", default="deepseek-v4-flash", help="the model id served")
+    sp.add_argument("--sessions", type=int, default=DEFAULT_SESSIONS,
+                    help="resident sessions (live frontiers kept at once)")  # fmt: skip
+    sp.add_argument("--state-budget-mb", type=int, default=DEFAULT_STATE_BUDGET_MB,
+                    help="bytes of retained states: sessions, fork points")  # fmt: skip
     sp.add_argument("--kv-disk-dir", default=None, help="disk checkpoints (disk issue)")
     sp.add_argument("--kv-disk-space-mb", type=int, default=4096)
     sp.add_argument("--trace", default=None, help="append JSON lines per request to FILE")
@@ -72,7 +78,20 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
             args.kv_disk_dir, cfg, params, tokenizer, max_len=args.ctx,
             budget_mb=args.kv_disk_space_mb,
         )  # fmt: skip
-    engine = Engine(cfg, params, tokenizer, max_len=args.ctx, store=store)
+    if args.sessions < 1:
+        raise SystemExit("ds4jax serve: --sessions must be at least 1")
+    try:
+        engine = Engine(
+            cfg, params, tokenizer, max_len=args.ctx, store=store, sessions=args.sessions,
+            fork_points=True, state_budget_bytes=args.state_budget_mb * 2**20,
+        )  # fmt: skip
+    except ValueError as err:
+        raise SystemExit(f"ds4jax serve: --state-budget-mb: {err}") from err
+    per_state = engine.state_nbytes / 2**20
+    banner += (
+        f"; {args.sessions} sessions, state budget {args.state_budget_mb} MB "
+        f"({per_state:.1f} MB per session or fork point)"
+    )
     if store is not None:
         # exact DSML replay survives a restart: tool ids → sampled bytes, before any request
         for tid, block in store.tool_entries().items():

@@ -70,6 +70,8 @@ class MessagesRequest:
     top_k: int | None = None
     tool_choice: dict[str, Any] | None = None
     thinking_budget: int | None = None
+    #: `metadata.user_id` (Claude Code sends one per user and session): a routing tie-break
+    user_id: str | None = None
 
 
 def _fail(where: str, what: str) -> RequestError:
@@ -372,7 +374,15 @@ def parse_messages_request(
         top_k=_number(body, "top_k", int),
         tool_choice=tool_choice,
         thinking_budget=budget,
+        user_id=_user_id(body.get("metadata")),
     )
+
+
+def _user_id(metadata: Any) -> str | None:
+    """`metadata` is accepted and otherwise ignored; a string `user_id` is kept as a hint."""
+    if isinstance(metadata, dict) and isinstance(metadata.get("user_id"), str):
+        return metadata["user_id"][:256] or None
+    return None
 
 
 def response_content(

@@ -17,6 +17,10 @@ First match wins, in this order (ds4's procedure with our fixes):
 5. **Disk** — the longest stored checkpoint whose text is a prefix of the request's.
 6. **Cold prefill.**
 
+`decide` is that procedure for one live frontier. With several resident sessions
+(`continuation.pool`) steps 1–4 run per session through `match_tool` and `match_live`, and
+retained fork points come between step 4 and the disk (`match_fork`).
+
 The EOS fix: the live state never holds the EOS that ended its turn (EOS is sampled, not
 evaluated, and decoding stops right after a tool-call block). Every path's suffix therefore
 starts at or before that EOS — the tool path prepends it, the visible transcript stops before
@@ -41,15 +45,13 @@ from ds4jax.kvstore.store import KVStore
 EOS_SEGMENT = Segment(specials.EOS, True)
 
 
-def decide(
-    req: RequestView, live: LiveFrontier | None, bindings: Bindings, store: KVStore
-) -> Decision | Rejection:
-    pos = live.pos if live is not None else 0
+def match_tool(req: RequestView, live: LiveFrontier | None, bindings: Bindings) -> Decision | None:
+    """Step 1: the request answers exactly the tool call this frontier just sampled."""
     tb = bindings.tool
     if (
         live is not None
         and tb is not None
-        and tb.pos == pos > 0
+        and tb.pos == live.pos > 0
         and req.tail is not None
         and req.tail_ids
         and frozenset(req.tail_ids) == tb.ids
@@ -57,22 +59,59 @@ def decide(
         return Decision(
             CacheSource.LIVE_TOOL, live.tokens, suffix_segments=(EOS_SEGMENT, *req.tail)
         )
-    if req.requires_live:
-        return Rejection(409, LIVE_GONE_MESSAGE)
-    if live is not None and pos > 0:
-        th = bindings.thinking
-        if th is not None and th.pos == pos:
-            rest = strip_prefix(req.segments, th.visible)
-            if rest:  # strictly longer
-                return Decision(CacheSource.THINKING_VISIBLE, live.tokens, suffix_segments=rest)
-        if len(req.tokens) >= pos and req.tokens[:pos] == live.tokens:
-            return Decision(CacheSource.TOKEN_PREFIX, live.tokens, suffix_tokens=req.tokens[pos:])
-        rest = strip_prefix(req.segments, live.segments)
-        if rest is not None:
-            return Decision(CacheSource.TEXT_PREFIX, live.tokens, suffix_segments=rest)
+    return None
+
+
+def match_live(req: RequestView, live: LiveFrontier | None, bindings: Bindings) -> Decision | None:
+    """Steps 2–4: the request extends this frontier (visible transcript, tokens, text)."""
+    if live is None or live.pos == 0:
+        return None
+    th = bindings.thinking
+    if th is not None and th.pos == live.pos:
+        rest = strip_prefix(req.segments, th.visible)
+        if rest:  # strictly longer
+            return Decision(CacheSource.THINKING_VISIBLE, live.tokens, suffix_segments=rest)
+    return _extends(req, live, CacheSource.TOKEN_PREFIX, CacheSource.TEXT_PREFIX)
+
+
+def match_fork(req: RequestView, point: LiveFrontier) -> Decision | None:
+    """A retained prompt-end state whose tokens, or else text, the request starts with."""
+    return _extends(req, point, CacheSource.FORK, CacheSource.FORK)
+
+
+def _extends(
+    req: RequestView, frontier: LiveFrontier, by_tokens: CacheSource, by_text: CacheSource
+) -> Decision | None:
+    pos = frontier.pos
+    if pos == 0:
+        return None
+    if len(req.tokens) >= pos and req.tokens[:pos] == frontier.tokens:
+        return Decision(by_tokens, frontier.tokens, suffix_tokens=req.tokens[pos:])
+    rest = strip_prefix(req.segments, frontier.segments)
+    if rest is not None:
+        return Decision(by_text, frontier.tokens, suffix_segments=rest)
+    return None
+
+
+def match_disk(req: RequestView, store: KVStore) -> Decision | None:
     hit = store.lookup(req.segments)
     if hit is not None:
         rest = strip_prefix(req.segments, hit.segments)
         if rest is not None:
             return Decision(CacheSource.DISK, hit.tokens, suffix_segments=rest, disk=hit)
+    return None
+
+
+def cold(req: RequestView) -> Decision:
     return Decision(CacheSource.COLD, (), suffix_tokens=req.tokens)
+
+
+def decide(
+    req: RequestView, live: LiveFrontier | None, bindings: Bindings, store: KVStore
+) -> Decision | Rejection:
+    hit = match_tool(req, live, bindings)
+    if hit is not None:
+        return hit
+    if req.requires_live:
+        return Rejection(409, LIVE_GONE_MESSAGE)
+    return match_live(req, live, bindings) or match_disk(req, store) or cold(req)

@@ -16,6 +16,7 @@ class CacheSource(Enum):
     THINKING_VISIBLE = "thinking-visible"
     TOKEN_PREFIX = "memory-token"
     TEXT_PREFIX = "memory-text"
+    FORK = "fork-point"
     DISK = "disk-text"
     COLD = "none"
 
@@ -25,6 +26,7 @@ ORDER = [
     CacheSource.THINKING_VISIBLE,
     CacheSource.TOKEN_PREFIX,
     CacheSource.TEXT_PREFIX,
+    CacheSource.FORK,
     CacheSource.DISK,
     CacheSource.COLD,
 ]

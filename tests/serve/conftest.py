@@ -344,6 +344,8 @@ class ServeProcess:
 
 
 _early: dict[str, ServeProcess] = {}
+#: the demo server's flags: no model flags, a session for each of six concurrent agents
+DEMO_SERVE_ARGS = ("--sessions", "6")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -353,7 +355,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if "served" in wanted:
         _early["served"] = ServeProcess("--api-key", SERVE_KEY)
     if "demo_served" in wanted:
-        _early["demo_served"] = ServeProcess(model=())
+        _early["demo_served"] = ServeProcess(*DEMO_SERVE_ARGS, model=())
 
 
 def take_served(kind: str = "served") -> ServeProcess | None:

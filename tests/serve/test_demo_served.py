@@ -1,23 +1,27 @@
 """`ds4jax serve` with no model flags serves the trained demo, and its tool loop over HTTP
-continues the live state (issue 9's HTTP bar), driven by the official anthropic SDK."""
+continues the live state (issue 9's HTTP bar), driven by the official anthropic SDK — also
+with six agents at once, each in its own resident session (issue 13)."""
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import pytest
 
 from ds4jax.demo.corpus import TOOLS
-from tests.serve.conftest import ServeProcess, take_served
+from tests.serve.conftest import DEMO_SERVE_ARGS, ServeProcess, take_served
 
 LIVE_LINE = "anthropic live continuation match=tool-output-ids"
 
 
 @pytest.fixture(scope="module")
 def demo_served() -> Iterator[ServeProcess]:
-    server = take_served("demo_served") or ServeProcess(model=())
+    server = take_served("demo_served") or ServeProcess(*DEMO_SERVE_ARGS, model=())
     try:
         server.wait_ready()
         yield server
@@ -50,3 +54,51 @@ def test_default_model_runs_the_tool_loop_live(demo_served: ServeProcess) -> Non
     while LIVE_LINE not in demo_served.stderr and time.monotonic() < deadline:
         time.sleep(0.05)
     assert LIVE_LINE in demo_served.stderr
+
+
+def agent(url: str, n: int) -> list[tuple[int, int, int, str]]:
+    """One agent's three `add` loops (the demo model was trained on one loop per
+    conversation, so each loop is a new one); per loop (cache_read of the tool-result turn,
+    input + output of the call turn, the expected sum, the answer)."""
+    client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    kw = {"model": "deepseek-v4-flash", "max_tokens": 200, "tools": TOOLS}
+    out = []
+    for k in range(3):
+        a, b = 10 * n + k + 1, 7 * n + 3
+        messages: list = [{"role": "user", "content": f"What is {a} plus {b}?"}]
+        first = client.messages.create(messages=messages, **kw)
+        calls = [c for c in first.content if c.type == "tool_use"]
+        assert len(calls) == 1, first.content
+        blocks = [c.model_dump(exclude_none=True) for c in first.content]
+        result = str(sum(calls[0].input.values()))
+        messages += [
+            {"role": "assistant", "content": blocks},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": calls[0].id, "content": result}
+            ]},
+        ]  # fmt: skip
+        second = client.messages.create(messages=messages, **kw)
+        text = "".join(c.text for c in second.content if c.type == "text")
+        u1 = first.usage
+        out.append((second.usage.cache_read_input_tokens, u1.input_tokens + u1.output_tokens,
+                    a + b, text))  # fmt: skip
+    return out
+
+
+def test_six_concurrent_agents_each_continue_live(demo_served: ServeProcess) -> None:
+    def health() -> dict:
+        with urllib.request.urlopen(demo_served.url + "/health") as r:
+            return json.load(r)
+
+    before = health()["hits"]["anthropic-tool-output"]
+    with ThreadPoolExecutor(6) as pool:
+        loops = [loop for out in pool.map(lambda n: agent(demo_served.url, n), range(6))
+                 for loop in out]  # fmt: skip
+    assert len(loops) == 18
+    for cache_read, call_turn, _, _ in loops:  # every tool-result turn continued live
+        assert cache_read == call_turn
+    assert sum(str(total) in text for *_, total, text in loops) >= 15  # the demo's accuracy
+    h = health()
+    assert h["sessions"] == 6 and h["sessions_in_use"] == 6
+    assert h["hits"]["anthropic-tool-output"] - before == 18
+    assert h["state_bytes"] <= h["state_budget_bytes"]

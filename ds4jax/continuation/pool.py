@@ -1,0 +1,243 @@
+"""Resident sessions, fork points, and the routing that gives a request one of them.
+
+Agents run sub-agents, side requests and retries against one server, so one live frontier
+is not enough: a request that merely looks like the live conversation would throw it away.
+A frontier is an immutable state pytree, so keeping several is keeping references, and
+forking from one is free. This module is plain data and pure functions (no JAX): the engine
+owns the states and applies what `route` and `evictions` decide.
+
+* A **session** is a slot (0..N-1; later the row of a batched decode) holding a live
+  frontier, its bindings (tool ids, thinking) and the client hint it last served.
+* A **fork point** is the state at the end of a prompt prefill, before decoding: an
+  immutable frontier retained with the slot that made it. A retry, a regenerate, an edited
+  last reply, a side request sharing the conversation or a sub-agent sharing system + tools
+  continues from the deepest one instead of prefilling again.
+
+`route` tries, in order (first match wins):
+
+1. the session whose live tool ids equal the request's `tool_result` ids (set equality);
+   a request that needs the live state and matches none is a 409 — fork points never
+   paper over a tool-id mismatch;
+2. the session whose live frontier the request extends (thinking-visible, exact token
+   prefix, live text prefix), the deepest;
+3. the deepest fork point (token prefix, else text prefix with the rest tokenized alone),
+   continued in a **new** session: the point's owner may have moved on, and its live
+   frontier is never overwritten while another slot exists;
+4. the longest disk checkpoint;
+5. cold.
+
+Steps 3–5 take an empty slot if there is one, else the least recently used one that is not
+waiting for tool results, else the least recently used (its live frontier the engine saves
+to disk first when a store is configured), so a request that merely shares a system prompt
+never takes a live session while an empty slot exists.
+A client hint (Claude Code's `metadata.user_id`, an `x-session-id` header) breaks ties
+between equally deep matches only.
+
+The budget bounds the bytes of the distinct retained states (live frontiers and fork
+points); `evictions` drops fork points least recently used first, then sessions in the
+same order as slots are taken.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ds4jax.continuation.decide import cold, match_disk, match_fork, match_live, match_tool
+from ds4jax.continuation.types import (
+    LIVE_GONE_MESSAGE,
+    ORDER,
+    Bindings,
+    Decision,
+    LiveFrontier,
+    Rejection,
+    RequestView,
+)
+from ds4jax.kvstore.store import KVStore
+
+
+@dataclass
+class Session:
+    slot: int
+    live: LiveFrontier | None = None
+    bindings: Bindings = field(default_factory=Bindings)
+    hint: str | None = None
+    used: int = 0  # the pool clock at its last request
+
+    @property
+    def tool_ids(self) -> frozenset[str]:
+        tb = self.bindings.tool
+        return tb.ids if tb is not None else frozenset()
+
+    def clear(self) -> None:
+        self.live, self.bindings, self.hint = None, Bindings(), None
+
+
+@dataclass(eq=False)  # identity: two points are never "equal" by their arrays
+class ForkPoint:
+    frontier: LiveFrontier  # immutable: the state at a prompt end, its tokens and text
+    owner: int  # the slot whose prefill made it
+    used: int = 0
+
+
+@dataclass(frozen=True)
+class Route:
+    slot: int
+    decision: Decision
+    fork: ForkPoint | None = None  # the fork point continued (CacheSource.FORK)
+    #: the slot's live frontier that this request replaces (steps 3–5 into a used slot)
+    displaced: LiveFrontier | None = None
+
+
+@dataclass
+class Pool:
+    sessions: list[Session]
+    forks: list[ForkPoint] = field(default_factory=list)
+    #: bytes of distinct retained states; None: unbounded
+    budget: int | None = None
+    #: bytes of one state (every state has the capacity of `init_state(cfg, max_len)`)
+    state_nbytes: int = 0
+    keep_forks: bool = True
+    clock: int = 0
+    current: int = 0  # the slot of the latest request
+    hits: Counter = field(default_factory=Counter)  # CacheSource.value → requests
+
+    @classmethod
+    def create(
+        cls, n: int, *, budget: int | None = None, state_nbytes: int = 0, keep_forks: bool = True
+    ) -> Pool:
+        if n < 1:
+            raise ValueError(f"a pool needs at least one session, got {n}")
+        return cls([Session(i) for i in range(n)], budget=budget, state_nbytes=state_nbytes,
+                   keep_forks=keep_forks)  # fmt: skip
+
+    def tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def live_tool_ids(self) -> frozenset[str]:
+        return frozenset().union(*(s.tool_ids for s in self.sessions))
+
+    def in_use(self) -> int:
+        return sum(s.live is not None for s in self.sessions)
+
+    def state_bytes(self) -> int:
+        return _bytes(self, [s.live for s in self.sessions], self.forks)
+
+    def retain(self, frontier: LiveFrontier, owner: int) -> None:
+        """Keep a prompt-end state as a fork point (one per token sequence: the newer wins)."""
+        if not self.keep_forks or frontier.pos == 0:
+            return
+        self.forks = [f for f in self.forks if f.frontier.tokens != frontier.tokens]
+        self.forks.append(ForkPoint(frontier, owner, self.tick()))
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "sessions": len(self.sessions),
+            "sessions_in_use": self.in_use(),
+            "fork_points": len(self.forks),
+            "state_bytes": self.state_bytes(),
+            "state_budget_bytes": self.budget,
+            "hits": {s.value: self.hits.get(s.value, 0) for s in ORDER},
+        }
+
+
+def _bytes(pool: Pool, lives: list[LiveFrontier | None], forks: list[ForkPoint]) -> int:
+    states = {id(f.state) for f in lives if f is not None}
+    states |= {id(f.frontier.state) for f in forks}
+    return len(states) * pool.state_nbytes
+
+
+def _victim_order(s: Session) -> tuple[bool, int]:
+    """Which used session to give up first: one that is not waiting for tool results (an
+    agent's tool may run for minutes; its session is the one it will come back to), then
+    the least recently used."""
+    return (s.bindings.tool is not None, s.used)
+
+
+def choose_slot(pool: Pool, avoid: int | None = None) -> int:
+    """An empty slot (the lowest), else the first victim (`_victim_order`) other than
+    `avoid` (a fork's owner), else `avoid` itself (a pool of one)."""
+    for s in pool.sessions:
+        if s.live is None:
+            return s.slot
+    others = [s for s in pool.sessions if s.slot != avoid] or pool.sessions
+    return min(others, key=_victim_order).slot
+
+
+def _rank(d: Decision, hint_match: bool, used: int) -> tuple:
+    return (d.cached, -ORDER.index(d.source), hint_match, used)
+
+
+def route(
+    req: RequestView, pool: Pool, store: KVStore, hint: str | None = None
+) -> Route | Rejection:
+    for s in pool.sessions:
+        hit = match_tool(req, s.live, s.bindings)
+        if hit is not None:
+            return Route(s.slot, hit)
+    if req.requires_live:
+        return Rejection(409, LIVE_GONE_MESSAGE)
+
+    best: tuple[tuple, Session, Decision] | None = None
+    for s in pool.sessions:
+        d = match_live(req, s.live, s.bindings)
+        if d is not None:
+            rank = _rank(d, hint is not None and s.hint == hint, s.used)
+            if best is None or rank > best[0]:
+                best = (rank, s, d)
+    if best is not None:
+        return Route(best[1].slot, best[2])
+
+    fork: tuple[tuple, ForkPoint, Decision] | None = None
+    for f in pool.forks:
+        d = match_fork(req, f.frontier)
+        if d is not None:
+            owner_hint = pool.sessions[f.owner].hint
+            rank = _rank(d, hint is not None and owner_hint == hint, f.used)
+            if fork is None or rank > fork[0]:
+                fork = (rank, f, d)
+    if fork is not None:
+        slot = choose_slot(pool, avoid=fork[1].owner)
+        return Route(slot, fork[2], fork=fork[1], displaced=pool.sessions[slot].live)
+
+    slot = choose_slot(pool)
+    decision = match_disk(req, store) or cold(req)
+    return Route(slot, decision, displaced=pool.sessions[slot].live)
+
+
+def evictions(pool: Pool, keep: int) -> tuple[list[ForkPoint], list[int]]:
+    """What to drop so the retained states fit the budget: fork points least recently used
+    first, then the least recently used sessions other than `keep` (the one just served).
+    Dropping a fork point whose state a live frontier still holds frees nothing, so it is
+    kept. Returns (fork points, slots); nothing is changed here."""
+    if pool.budget is None:
+        return [], []
+    lives = {s.slot: s.live for s in pool.sessions}
+    forks = list(pool.forks)
+    drop_forks: list[ForkPoint] = []
+    drop_slots: list[int] = []
+
+    def size(fs: list[ForkPoint]) -> int:
+        return _bytes(pool, list(lives.values()), fs)
+
+    def shed_forks() -> None:
+        nonlocal forks
+        for f in sorted(forks, key=lambda f: f.used):
+            if size(forks) <= pool.budget:
+                return
+            rest = [g for g in forks if g is not f]
+            if size(rest) < size(forks):
+                forks = rest
+                drop_forks.append(f)
+
+    shed_forks()
+    idle = sorted((s for s in pool.sessions if s.slot != keep and s.live is not None),
+                  key=_victim_order)  # fmt: skip
+    for s in idle:
+        if size(forks) <= pool.budget:
+            break
+        lives[s.slot] = None
+        drop_slots.append(s.slot)
+        shed_forks()  # fork points that shared this session's state free bytes now
+    return drop_forks, drop_slots
