@@ -203,7 +203,24 @@ def layer_rows(rep: Row) -> list[Row]:
 
 # ---------------------------------------------------------------- per part
 
+
 #: part → [(table name, builder)]
+def sessions_live_rows(rep: Row) -> list[Row]:
+    return list(rep["live_rate"])
+
+
+def sessions_retry_rows(rep: Row) -> list[Row]:
+    return [dict(rep["retry"])]
+
+
+def sessions_subagent_rows(rep: Row) -> list[Row]:
+    return list(rep["subagent"])
+
+
+def sessions_memory_rows(rep: Row) -> list[Row]:
+    return list(rep["memory"])
+
+
 TABLES: dict[str, list[tuple[str, Callable[[Row], list[Row]]]]] = {
     "prompt": [("tokenize", prompt_rows)],
     "model": [("prefill", prefill_rows), ("decode", decode_rows), ("state-bytes", state_rows)],
@@ -211,7 +228,9 @@ TABLES: dict[str, list[tuple[str, Callable[[Row], list[Row]]]]] = {
     "disk": [("throughput", disk_throughput_rows), ("restart", disk_restart_rows)],
     "kernels": [("kernels", kernel_rows)],
     "layers": [("layers", layer_rows)],
-}
+    "sessions": [("live-rate", sessions_live_rows), ("retry", sessions_retry_rows),
+                 ("subagent", sessions_subagent_rows), ("memory", sessions_memory_rows)],
+}  # fmt: skip
 
 
 def write_part(part: str, rep: Row, stamp: str, out_dir: Path = RESULTS_DIR) -> list[Path]:

@@ -22,7 +22,7 @@ STATE_CONFIG = "deepseek-v4-flash"
 
 def ratio(part: str, name: str, at: str, num: float | None, den: float | None, unit: str) -> Row:
     """A ratio row; a missing side (a skipped measurement) leaves the value empty."""
-    value = round(num / den, 3) if num and den else None
+    value = round(num / den, 3) if num is not None and den else None
     return {
         "part": part,
         "ratio": name,
@@ -164,12 +164,29 @@ def prompt(rep: Row) -> list[Row]:
     ]
 
 
+def sessions(rep: Row) -> list[Row]:
+    rates = {r["sessions"]: r for r in rep["live_rate"]}
+    out = []
+    for n, r in rates.items():
+        out.append(ratio("sessions", f"live tool turns, {n} sessions", f"{r['agents']} agents",
+                         r["live_turns"], r["tool_turns"], "turns"))  # fmt: skip
+    rt = rep["retry"]
+    out.append(ratio("sessions", "cold / retry TTFT", f"{rt['prompt_tokens']} tokens",
+                     rt["cold_ttft_s"], rt["retry_ttft_s"], "s"))  # fmt: skip
+    for r in rep["subagent"]:
+        out.append(ratio("sessions", f"main TTFT after a sub-agent / alone, {r['sessions']} "
+                         "sessions", f"{r['history_tokens']} history tokens",
+                         r["with_subagent_ttft_s"], r["alone_ttft_s"], "s"))  # fmt: skip
+    return out
+
+
 PARTS = {
     "prompt": prompt,
     "model": model,
     "continuation": continuation,
     "disk": disk,
     "kernels": kernels,
+    "sessions": sessions,
 }
 
 

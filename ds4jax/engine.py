@@ -64,6 +64,8 @@ from ds4jax.sampling import sample
 
 log = logging.getLogger("ds4jax.engine")
 
+THINK_START_SEGMENT = Segment(specials.THINK_START, True)
+
 
 class EngineError(RuntimeError):
     """A request the engine refuses; `status` is the HTTP status it maps to."""
@@ -178,6 +180,7 @@ class Engine:
         self._lock = threading.Lock()  # one request at a time
         self._state_lock = threading.Lock()  # guards live + bindings for readers
         self._special_ids = {tokenizer.special_id(s) for s in specials.TEMPLATE_SPECIALS}
+        self._think_start = tokenizer.special_id(specials.THINK_START)
 
     # ------------------------------------------------------------------ client side
 
@@ -395,7 +398,9 @@ class Engine:
         state = base_state
         done = len(decision.base)
         cuts = self._save_points(decision, tokens)
-        for cut in [*sorted(cuts), len(tokens)]:
+        before_think = self._before_think_cut(prepared, decision, tokens)
+        before_think_state = None
+        for cut in [*sorted({*cuts, before_think} - {None}), len(tokens)]:
             if cut <= done:
                 continue
             state, _ = prefill(
@@ -406,6 +411,8 @@ class Engine:
             done = cut
             if cut in cuts:
                 self._save(tuple(tokens[:cut]), state, cuts[cut])
+            if cut == before_think:
+                before_think_state = state
         state.logits.block_until_ready()
         prefill_seconds = time.perf_counter() - t0
         log.info("prompt done %.3fs", prefill_seconds)
@@ -428,6 +435,11 @@ class Engine:
             if decision.source != CacheSource.THINKING_VISIBLE:
                 session.bindings.thinking = None
             pool.retain(prompt_end, session.slot)
+            if before_think_state is not None and live_segments[-1:] == (THINK_START_SEGMENT,):
+                pool.retain(
+                    LiveFrontier(before_think_state, tuple(tokens[:-1]), live_segments[:-1]),
+                    session.slot,
+                )
 
         # ---- decode
         try:
@@ -443,6 +455,24 @@ class Engine:
         result.session = session.slot
         result.forked_from = routed.fork.owner if routed.fork is not None else None
         return result
+
+    def _before_think_cut(self, prepared: Prepared, decision: Decision, tokens: list[int]):
+        """Where to keep a second fork point, just before the prompt's closing `<think>`,
+        if anywhere. In thinking mode without tools the official format replays this turn
+        as `<｜Assistant｜></think>content`, so the prompt end (`…<think>`) is never a prefix
+        of the next request; the state before `<think>` is — even after a reply cut short
+        by max_tokens or a stop sequence, where no thinking-visible binding is left."""
+        conv = prepared.conversation
+        if (
+            not self.pool.keep_forks
+            or not prepared.thinking
+            or any(m.tools for m in conv.messages)
+            or not tokens
+            or tokens[-1] != self._think_start
+            or len(tokens) - 1 <= len(decision.base)
+        ):
+            return None
+        return len(tokens) - 1
 
     def _enforce_budget(self, keep: int) -> None:
         """Drop what the state budget no longer holds; with a store, evicted states are

@@ -112,6 +112,8 @@ def trace_hook(path: str):
         else:
             rec |= {
                 "source": result.source.value,
+                "session": result.session,
+                "forked_from": result.forked_from,
                 "cached": result.cached,
                 "prefilled": result.prefilled,
                 "output_tokens": result.output_tokens,

@@ -165,12 +165,31 @@ LAYERS = {
     ]
 }
 
+SESSIONS = {
+    "live_rate": [
+        {"sessions": 1, "agents": 6, "loops_per_agent": 4, "tool_turns": 24, "live_turns": 0,
+         "live_share": 0.0, "seconds": 9.0},
+        {"sessions": 6, "agents": 6, "loops_per_agent": 4, "tool_turns": 24, "live_turns": 24,
+         "live_share": 1.0, "seconds": 3.0},
+    ],
+    "retry": {"prompt_tokens": 16000, "cold_ttft_s": 8.0, "retry_ttft_s": 0.02,
+              "retry_source": "fork-point", "retry_cached": 16000, "retry_prefilled": 0},
+    "subagent": [
+        {"sessions": 1, "alone_ttft_s": 0.05, "alone_source": "anthropic-tool-output",
+         "alone_prefilled": 20, "with_subagent_ttft_s": 2.0, "with_subagent_source": "none",
+         "with_subagent_prefilled": 4100, "history_tokens": 4120},
+    ],
+    "memory": [{"config": "deepseek-v4-flash", "context": 8192, "bytes_per_session": 10,
+                "bytes_per_fork_point": 10, "live_bytes_when_full": 9}],
+}  # fmt: skip
+
 RESULTS = {
     "prompt": PROMPT,
     "model": MODEL,
     "continuation": CONTINUATION,
     "disk": DISK,
     "kernels": KERNELS,
+    "sessions": SESSIONS,
 }
 
 
@@ -203,6 +222,12 @@ def test_every_part_writes_stamped_csvs_and_its_plots(written) -> None:
         "disk-STAMP.png",
     ]
     assert names["kernels"] == ["kernels-STAMP-kernels.csv"]
+    assert names["sessions"] == [
+        "sessions-STAMP-live-rate.csv",
+        "sessions-STAMP-memory.csv",
+        "sessions-STAMP-retry.csv",
+        "sessions-STAMP-subagent.csv",
+    ]
     for path in (p for paths in written.values() for p in paths if p.suffix == ".png"):
         data = path.read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 5000, path
@@ -267,6 +292,10 @@ def test_summary_ratios_are_this_runs_measurements() -> None:
     assert _value(rows, "cold prefill / (load + suffix prefill)", "4096 ") == 10.0
     assert _value(rows, "jnp twin / Pallas indexer_scores time", "T=64") == 2.0
     assert _value(rows, "official encode / segment tokenize time", "15000 ") == 1.5
+    assert _value(rows, "live tool turns, 1 sessions", "6 agents") == 0.0
+    assert _value(rows, "live tool turns, 6 sessions", "6 agents") == 1.0
+    assert _value(rows, "cold / retry TTFT", "16000 ") == 400.0
+    assert _value(rows, "main TTFT after a sub-agent / alone, 1 sessions", "4120 ") == 40.0
 
 
 def test_summary_table_and_files(tmp_path) -> None:

@@ -115,6 +115,25 @@ def test_a_side_request_never_takes_the_main_session(pool_engine):
     assert back.source is CacheSource.LIVE_TOOL and back.session == res.session
 
 
+def test_a_reply_cut_short_still_shares_its_prompt(pool_engine):
+    """Thinking on, no tools: the next request replays the turn as `<｜Assistant｜></think>…`,
+    so it continues from the fork point kept just before the prompt's `<think>`."""
+    engine = fresh(pool_engine, 2)
+    ask = {"role": "user", "content": "Tell me about JAX."}
+    first = engine.run(prepared(engine, {"messages": [ask]}, 3))
+    assert first.finish == "max_tokens"
+    body = {"messages": [ask, {"role": "assistant", "content": "JAX is"},
+                         {"role": "user", "content": "Go on."}]}  # fmt: skip
+    req = prepared(engine, body, 2)
+    res = engine.run(req)
+    assert res.source is CacheSource.FORK and res.cached == first.prompt_tokens - 1
+    prompt = engine.pool.sessions[res.session].live.tokens[: res.cached + res.prefilled]
+    assert engine.tokenizer.decode(prompt) == "".join(s.text for s in req.view.segments)
+    point = next(f for f in engine.pool.forks if f.frontier.tokens == prompt)
+    cold = engine.logits_for(prompt)
+    assert np.abs(cold - np.asarray(point.frontier.state.logits)).max() <= 1e-5
+
+
 def test_single_session_engine_keeps_the_original_rules(_engine):
     assert len(_engine.pool.sessions) == 1 and not _engine.pool.keep_forks
 

@@ -38,14 +38,15 @@ def model():
     return cfg, params, tok, model_fingerprint(cfg, params, tok)
 
 
-def new_engine(model, directory: Path, **store_options) -> Engine:
-    """A fresh process, as far as the engine and the store go: nothing in RAM."""
+def new_engine(model, directory: Path, pool: dict | None = None, **store_options) -> Engine:
+    """A fresh process, as far as the engine and the store go: nothing in RAM. `pool`: the
+    engine's session-pool options."""
     cfg, params, tok, fingerprint = model
     store_options.setdefault("cold", False)  # see test_a_cold_prefill_saves_the_shared_prefix
     store = DiskStore(directory, fingerprint, cfg=cfg, max_len=MAX_LEN, tokenizer=tok,
                       **store_options)  # fmt: skip
     return Engine(cfg, params, tok, max_len=MAX_LEN, store=store, tool_memory=ToolMemory(),
-                  chunk_sizes=CHUNKS)  # fmt: skip
+                  chunk_sizes=CHUNKS, **(pool or {}))  # fmt: skip
 
 
 def tool_turn(engine: Engine, system: str, command: str = "ls -la"):
@@ -122,6 +123,27 @@ def test_a_miss_keeps_the_state_it_replaces(model, tmp_path) -> None:
     assert back.cached + back.prefilled == len(req.view.tokens)
     cold = engine.logits_for(engine.live.tokens)
     assert np.abs(cold - np.asarray(engine.live.state.logits)).max() <= 1e-5
+
+
+def test_the_state_budget_saves_what_it_evicts(model, tmp_path) -> None:
+    """Two sessions and fork points under a budget of two states: the second conversation
+    pushes the first one's fork point out of RAM, onto disk; its retry is a disk hit."""
+    probe = new_engine(model, tmp_path / "probe")
+    pool = {"sessions": 2, "fork_points": True, "state_budget_bytes": 2 * probe.state_nbytes}
+    engine = new_engine(model, tmp_path / "kv", pool=pool, min_tokens=64)
+    body, first = tool_turn(engine, "You are a careful coding agent.")
+    assert engine.stats()["fork_points"] == 1
+    tool_turn(engine, "You are a different agent.")
+    st = engine.stats()
+    assert st["sessions_in_use"] == 2 and st["state_bytes"] <= 2 * probe.state_nbytes
+    assert (first.prompt_tokens, "evict") in [
+        (c["tokens"], c["reason"]) for c in engine.store.checkpoints()
+    ]
+    retry = engine.run(
+        prepare(engine, body, 200), forced_tokens=forced(engine, tool_call_text("ls"))
+    )
+    assert retry.source == CacheSource.DISK and retry.cached == first.prompt_tokens
+    assert retry.prefilled == 0
 
 
 def test_a_checkpoint_that_cannot_load_means_a_cold_prefill(model, tmp_path, caplog) -> None:
