@@ -19,7 +19,6 @@ Results are printed and written to `bench/results/continuation-<date>-<HHMM>[-qu
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 import time
@@ -27,7 +26,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PATHS = ("live_tool", "token_prefix", "text_prefix", "disk", "cold")
 TOOLS = [
     {
@@ -140,6 +138,7 @@ def measure(engine: Any, tok: Any, n: int, store_dir: Path) -> dict:
 
 def main(quick: bool = False) -> dict:
     from bench.disk import use_compile_cache
+    from bench.report import write_json
     from ds4jax.chat.tokenizer import V4Tokenizer
     from ds4jax.config import load_config
     from ds4jax.engine import Engine
@@ -184,10 +183,7 @@ def main(quick: bool = False) -> dict:
     now = datetime.now()
     out = {"date": now.isoformat(timespec="seconds"), "quick": quick, "rows": rows,
            "summary": summary, "model": "tiny (random weights), CPU"}  # fmt: skip
-    RESULTS.mkdir(exist_ok=True)
-    name = f"continuation-{now:%Y-%m-%d-%H%M}{'-quick' if quick else ''}.json"
-    (RESULTS / name).write_text(json.dumps(out, indent=1))
-    print(f"wrote {RESULTS / name}", flush=True)
+    write_json("continuation", out, quick)
     return out
 
 

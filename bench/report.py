@@ -12,6 +12,7 @@ results; `write_part` is the only function that touches the disk.
 from __future__ import annotations
 
 import csv
+import json
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -41,6 +42,15 @@ def run_stamp(quick: bool, now: datetime | None = None) -> str:
     """Seconds in the stamp: two runs in one minute (a quick run, then a part alone) must
     not share files."""
     return f"{(now or datetime.now()):%Y-%m-%d-%H%M%S}{'-quick' if quick else ''}"
+
+
+def write_json(part: str, rep: Row, quick: bool, out_dir: Path = RESULTS_DIR) -> Path:
+    """A part's whole result as `<part>-<date>-<HHMM>[-quick].json`; returns the path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{part}-{datetime.now():%Y-%m-%d-%H%M}{'-quick' if quick else ''}.json"
+    path.write_text(json.dumps(rep, indent=1))
+    print(f"wrote {path}", flush=True)
+    return path
 
 
 def write_csv(path: Path, rows: list[Row]) -> Path:

@@ -10,7 +10,8 @@ Four measurements, each side by side in this run:
   TTFT of the cold first request vs the retry (a fork point: nothing prefilled).
 * **sub-agent** — a main agent's tool call, then a sub-agent with the same system prompt
   and tools (its own task, its own tool call), then the main agent's tool-result turn.
-  Its TTFT with the sub-agent in between vs with nothing in between, for 1 and 4 sessions.
+  Its TTFT with the sub-agent in between vs with nothing in between: one session without
+  fork points (the engine before the pool), one session with them, and 4 sessions.
 * **memory** — bytes of one retained state (a resident session or a fork point cost the
   same: a state of the capacity of the context) for the DeepSeek V4 Flash shapes, by
   context, from `jax.eval_shape` (nothing is allocated).
@@ -21,24 +22,28 @@ serves the retry and sub-agent parts, as in `bench.continuation`.
 
 from __future__ import annotations
 
-import json
 import time
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 from bench.continuation import CALL, TOOLS, _follow_up, _system
+from bench.report import write_json
 
-RESULTS = Path(__file__).resolve().parent / "results"
 POOL_SIZES = (1, 4, 6)
 AGENTS = 6
 FLASH_CONTEXTS = (8192, 65536, 262144, 1048576)
 
 
-def _engine(cfg, params, tok, max_len: int, sessions: int):
+def _engine(cfg, params, tok, max_len: int, sessions: int, fork_points: bool = True):
     from ds4jax.engine import Engine
 
-    return Engine(cfg, params, tok, max_len=max_len, sessions=sessions, fork_points=True)
+    return Engine(cfg, params, tok, max_len=max_len, sessions=sessions, fork_points=fork_points)
+
+
+def pool_label(sessions: int, fork_points: bool) -> str:
+    return f"{sessions} session{'s' if sessions > 1 else ''}" + (
+        "" if fork_points else ", no fork points"
+    )
 
 
 def _prepared(engine, body: dict, max_tokens: int):
@@ -127,10 +132,10 @@ def subagent(tok, cfg, params, n: int) -> list[dict[str, Any]]:
     sub = {"system": system, "tools": TOOLS,
            "messages": [{"role": "user", "content": "Find every caller of parse()."}]}  # fmt: skip
     rows = []
-    for sessions in (1, 4):
-        engine = _engine(cfg, params, tok, n + 1024, sessions)
+    for sessions, forks in ((1, False), (1, True), (4, True)):
+        engine = _engine(cfg, params, tok, n + 1024, sessions, forks)
         engine.warm_up()
-        row: dict[str, Any] = {"sessions": sessions}
+        row: dict[str, Any] = {"sessions": sessions, "fork_points": forks}
         for case in ("alone", "with_subagent"):
             best = None
             for _ in range(2):
@@ -149,24 +154,20 @@ def subagent(tok, cfg, params, n: int) -> list[dict[str, Any]]:
             row[f"{case}_prefilled"] = best[1].prefilled
         row["history_tokens"] = best[1].prompt_tokens
         rows.append(row)
-        print(f"   {sessions} session(s): main turn TTFT alone {row['alone_ttft_s']:.4f} s "
+        print(f"   {pool_label(sessions, forks)}: main turn TTFT alone {row['alone_ttft_s']:.4f} s "
               f"({row['alone_source']}), after a sub-agent {row['with_subagent_ttft_s']:.4f} s "
               f"({row['with_subagent_source']})", flush=True)  # fmt: skip
     return rows
 
 
 def memory() -> list[dict[str, Any]]:
-    import jax
-    import numpy as np
-
     from ds4jax.config import load_config
-    from ds4jax.model.state import init_state, state_bytes
+    from ds4jax.model.state import capacity_bytes, state_bytes
 
     cfg = load_config("deepseek-v4-flash")
     rows = []
     for ctx in FLASH_CONTEXTS:
-        shapes = jax.eval_shape(lambda c=ctx: init_state(cfg, c))
-        nbytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+        nbytes = capacity_bytes(cfg, ctx)
         rows.append({"config": "deepseek-v4-flash", "context": ctx,
                      "bytes_per_session": nbytes, "bytes_per_fork_point": nbytes,
                      "live_bytes_when_full": state_bytes(cfg, ctx)})  # fmt: skip
@@ -198,10 +199,7 @@ def main(quick: bool = False) -> dict:
     now = datetime.now()
     out = {"date": now.isoformat(timespec="seconds"), "quick": quick, "live_rate": rate,
            "retry": rt, "subagent": sub, "memory": mem}  # fmt: skip
-    RESULTS.mkdir(exist_ok=True)
-    name = f"sessions-{now:%Y-%m-%d-%H%M}{'-quick' if quick else ''}.json"
-    (RESULTS / name).write_text(json.dumps(out, indent=1))
-    print(f"wrote {RESULTS / name}", flush=True)
+    write_json("sessions", out, quick)
     return out
 
 

@@ -174,8 +174,9 @@ def sessions(rep: Row) -> list[Row]:
     out.append(ratio("sessions", "cold / retry TTFT", f"{rt['prompt_tokens']} tokens",
                      rt["cold_ttft_s"], rt["retry_ttft_s"], "s"))  # fmt: skip
     for r in rep["subagent"]:
-        out.append(ratio("sessions", f"main TTFT after a sub-agent / alone, {r['sessions']} "
-                         "sessions", f"{r['history_tokens']} history tokens",
+        pool = f"{r['sessions']} sessions" + ("" if r.get("fork_points", True) else ", no forks")
+        out.append(ratio("sessions", f"main TTFT after a sub-agent / alone, {pool}",
+                         f"{r['history_tokens']} history tokens",
                          r["with_subagent_ttft_s"], r["alone_ttft_s"], "s"))  # fmt: skip
     return out
 

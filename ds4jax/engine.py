@@ -59,7 +59,7 @@ from ds4jax.continuation.types import (
 from ds4jax.kvstore.store import KVStore, NoStore
 from ds4jax.model.forward import CHUNK_SIZES, decode_step, prefill
 from ds4jax.model.params import Params
-from ds4jax.model.state import init_state
+from ds4jax.model.state import capacity_bytes, init_state
 from ds4jax.sampling import sample
 
 log = logging.getLogger("ds4jax.engine")
@@ -160,6 +160,8 @@ class Engine:
         fork_points: bool = False,
         state_budget_bytes: int | None = None,
     ) -> None:
+        """`sessions`, `fork_points`, `state_budget_bytes`: the session pool
+        (`continuation.pool`); the budget bounds the retained states (None: unbounded)."""
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer
@@ -168,7 +170,7 @@ class Engine:
         self.tool_memory = tool_memory or ToolMemory()
         self.chunk_sizes = tuple(chunk_sizes)
         self._empty = init_state(cfg, max_len)
-        self.state_nbytes = sum(x.nbytes for x in jax.tree.leaves(self._empty))
+        self.state_nbytes = capacity_bytes(cfg, max_len)
         if state_budget_bytes is not None and state_budget_bytes < self.state_nbytes:
             raise ValueError(
                 f"the state budget ({state_budget_bytes} bytes) holds no state: one takes "

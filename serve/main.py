@@ -25,7 +25,8 @@ DEFAULT_MODEL = "demo"
 FALLBACK_CONFIG = "tiny"
 DEFAULT_SEED = 0
 DEFAULT_SESSIONS = 4
-DEFAULT_STATE_BUDGET_MB = 4096
+#: with no --state-budget-mb: room for every session's live frontier and as many fork points
+AUTO_BUDGET_STATES_PER_SESSION = 2
 
 
 def add_arguments(sp: argparse.ArgumentParser) -> None:
@@ -46,8 +47,9 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--model-name", default="deepseek-v4-flash", help="the model id served")
     sp.add_argument("--sessions", type=int, default=DEFAULT_SESSIONS,
                     help="resident sessions (live frontiers kept at once)")  # fmt: skip
-    sp.add_argument("--state-budget-mb", type=int, default=DEFAULT_STATE_BUDGET_MB,
-                    help="bytes of retained states: sessions, fork points")  # fmt: skip
+    sp.add_argument("--state-budget-mb", type=int, default=None,
+                    help="MB of retained states: sessions, fork points (default: 2 states "
+                    "per session)")  # fmt: skip
     sp.add_argument("--kv-disk-dir", default=None, help="disk checkpoints (disk issue)")
     sp.add_argument("--kv-disk-space-mb", type=int, default=4096)
     sp.add_argument("--trace", default=None, help="append JSON lines per request to FILE")
@@ -58,6 +60,7 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
 
 def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     from ds4jax.model.checkpoint import load_model
+    from ds4jax.model.state import capacity_bytes
 
     model, config = args.model, args.config
     if model is None and config is None:
@@ -80,17 +83,21 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
         )  # fmt: skip
     if args.sessions < 1:
         raise SystemExit("ds4jax serve: --sessions must be at least 1")
+    per_state = capacity_bytes(cfg, args.ctx)
+    if args.state_budget_mb is None:
+        budget = AUTO_BUDGET_STATES_PER_SESSION * args.sessions * per_state
+    else:
+        budget = args.state_budget_mb * 2**20
     try:
         engine = Engine(
             cfg, params, tokenizer, max_len=args.ctx, store=store, sessions=args.sessions,
-            fork_points=True, state_budget_bytes=args.state_budget_mb * 2**20,
+            fork_points=True, state_budget_bytes=budget,
         )  # fmt: skip
     except ValueError as err:
         raise SystemExit(f"ds4jax serve: --state-budget-mb: {err}") from err
-    per_state = engine.state_nbytes / 2**20
     banner += (
-        f"; {args.sessions} sessions, state budget {args.state_budget_mb} MB "
-        f"({per_state:.1f} MB per session or fork point)"
+        f"; {args.sessions} sessions, state budget {budget / 2**20:.0f} MB "
+        f"({per_state / 2**20:.1f} MB per session or fork point)"
     )
     if store is not None:
         # exact DSML replay survives a restart: tool ids → sampled bytes, before any request

@@ -89,6 +89,13 @@ def init_state(cfg: Config, max_len: int, dtype: jnp.dtype = jnp.float32) -> Dec
     )
 
 
+def capacity_bytes(cfg: Config, max_len: int) -> int:
+    """Bytes one state of this context occupies, whatever its position: what a resident
+    session or a fork point costs. Computed from shapes, nothing is allocated."""
+    shapes = jax.eval_shape(lambda: init_state(cfg, max_len))
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
 def state_bytes(cfg: Config, length: int, bytes_per_value: int = 4) -> int:
     """Bytes of *live* state after `length` tokens (what a snapshot must carry), excluding
     the token ids: raw rows, compressed and indexer rows, frontiers, next-token logits."""

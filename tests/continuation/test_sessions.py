@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -136,6 +137,10 @@ def test_a_reply_cut_short_still_shares_its_prompt(pool_engine):
 
 def test_single_session_engine_keeps_the_original_rules(_engine):
     assert len(_engine.pool.sessions) == 1 and not _engine.pool.keep_forks
+
+
+def test_the_budget_counts_what_a_state_really_holds(_engine):
+    assert _engine.state_nbytes == sum(x.nbytes for x in jax.tree.leaves(_engine._empty))
 
 
 def test_a_budget_smaller_than_one_state_is_refused(_engine):
