@@ -57,3 +57,103 @@ def nucleus(z: jax.Array, top_p: float | jax.Array) -> jax.Array:
         lambda: keep_of(top),
         lambda: keep_of(jnp.argsort(-z, stable=True)),
     )
+
+
+# ------------------------------------------------------------------ per-row, in one jit
+#
+# A batched decode step samples every row with its own temperature, top-k, top-p, min-p and
+# key. `keep_rows` finds each row's kept set among its top `NUCLEUS_CANDIDATES` logits when
+# that provably holds the whole set (the common, peaked case) and otherwise falls back, for
+# the whole batch, to its twin `keep_rows_reference`, which sorts the vocabulary: the
+# definition, and the same filters as `sample` (top-k keeps every logit ≥ the k-th, top-p
+# the tokens whose higher-ranked mass is < top_p, min-p those ≥ min_p × the best, each on the
+# distribution the previous filters left).
+
+
+def _keep_sorted(z: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array):
+    """One row, by sorting the whole vocabulary: the definition."""
+    V = z.shape[-1]
+    order = jnp.argsort(-z, stable=True)
+    kth = jnp.where(top_k > 0, z[order][jnp.clip(top_k - 1, 0, V - 1)], -jnp.inf)
+    z1 = jnp.where(z >= kth, z, -jnp.inf)
+    ps = jax.nn.softmax(z1)[order]
+    before = jnp.zeros(V, bool).at[order].set((jnp.cumsum(ps) - ps) < top_p)
+    keep = (z1 > -jnp.inf) & jnp.where(top_p < 1.0, before, True)
+    p2 = jax.nn.softmax(jnp.where(keep, z, -jnp.inf))
+    return keep & jnp.where(min_p > 0.0, p2 >= min_p * jnp.max(p2), True)
+
+
+def _keep_candidates(z: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array):
+    """One row among its top candidates: (kept mask over the vocabulary, exact?)."""
+    V = z.shape[-1]
+    C = min(NUCLEUS_CANDIDATES, V)
+    vals, ids = jax.lax.top_k(z, C)
+    limited = top_k > 0
+    kth = jnp.where(limited, vals[jnp.clip(top_k - 1, 0, C - 1)], -jnp.inf)
+    # the k-th logit is a candidate, and no token outside ties with it
+    exact = ~limited | ((top_k <= C) & (vals[C - 1] < kth))
+    z1 = jnp.where(vals >= kth, vals, -jnp.inf)
+    lse = jnp.where(limited, jax.nn.logsumexp(z1), jax.nn.logsumexp(z))
+    p1 = jnp.exp(z1 - lse)  # the candidates' probabilities after top-k, exact when `exact`
+    nucleus_on = top_p < 1.0
+    exact &= ~nucleus_on | limited | (jnp.sum(p1) >= top_p)
+    keep = (z1 > -jnp.inf) & jnp.where(nucleus_on, (jnp.cumsum(p1) - p1) < top_p, True)
+    restricted = limited | nucleus_on
+    p2 = jax.nn.softmax(jnp.where(keep, z1, -jnp.inf))
+    p2 = jnp.where(restricted, p2, p1)
+    min_on = min_p > 0.0
+    # unrestricted min-p: every outside token is at most the last candidate
+    exact &= restricted | ~min_on | (p1[C - 1] < min_p * p1[0])
+    keep &= jnp.where(min_on, p2 >= min_p * jnp.max(p2), True)
+    everything = ~restricted & ~min_on
+    mask = jnp.zeros(V, bool).at[ids].set(keep) | everything
+    return mask, exact | everything
+
+
+def keep_rows_reference(z, top_k, top_p, min_p) -> jax.Array:
+    """The kept mask [B, V] of temperature-scaled logits `z` [B, V], by sorting."""
+    return jax.vmap(_keep_sorted)(z, top_k, top_p, min_p)
+
+
+def keep_rows(z, top_k, top_p, min_p) -> jax.Array:
+    """`keep_rows_reference`, among the top candidates when every row allows it."""
+    mask, exact = jax.vmap(_keep_candidates)(z, top_k, top_p, min_p)
+    return jax.lax.cond(
+        jnp.all(exact), lambda: mask, lambda: keep_rows_reference(z, top_k, top_p, min_p)
+    )
+
+
+def sample_rows(
+    logits: jax.Array,
+    keys: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    min_p: jax.Array,
+) -> jax.Array:
+    """One token per row [B] (int32); a row with temperature ≤ 0 is greedy. Jittable: every
+    parameter is a per-row array. The work follows what the batch asks for: all greedy is an
+    argmax; temperature and min-p alone need no ranking (the default of `ds4jax serve`);
+    only top-k or top-p rank candidates (`keep_rows`)."""
+    logits = logits.astype(jnp.float32)
+    greedy = temperature <= 0
+    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def drawn() -> jax.Array:
+        z = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+        # greedy rows filter nothing, so they never ask for ranking or the sorted fallback
+        k = jnp.where(greedy, 0, top_k)
+        p = jnp.where(greedy, 1.0, top_p)
+        m = jnp.where(greedy, 0.0, min_p)
+
+        def unranked() -> jax.Array:
+            probs = jax.nn.softmax(z)
+            top = jnp.max(probs, axis=-1, keepdims=True)
+            return jnp.where((m > 0.0)[:, None], probs >= m[:, None] * top, True)
+
+        ranked = jnp.any((k > 0) | (p < 1.0))
+        mask = jax.lax.cond(ranked, lambda: keep_rows(z, k, p, m), unranked)
+        tokens = jax.vmap(jax.random.categorical)(keys, jnp.where(mask, z, -jnp.inf))
+        return jnp.where(greedy, best, tokens).astype(jnp.int32)
+
+    return jax.lax.cond(jnp.all(greedy), lambda: best, drawn)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,22 +42,14 @@ def forward_chunk(
     n = state.pos
     n_valid = jnp.asarray(n_valid, jnp.int32)
     positions = n + jnp.arange(T, dtype=jnp.int32)
-    x = params["embed"][tokens].astype(jnp.float32)
-    X = jnp.broadcast_to(x[:, None, :], (T, cfg.hc_mult, cfg.hidden_size))
-    layers = []
-    for i, (lp, ls) in enumerate(zip(params["layers"], state.layers, strict=True)):
-        y, post, comb = hc_pre(cfg, X, lp["hc_attn_fn"], lp["hc_attn_scale"], lp["hc_attn_base"])
-        a, ls = attention(
-            cfg, i, lp["attn"], ls, rmsw(y, lp["attn_norm"], cfg.rms_eps), positions, n, n_valid
-        )
-        X = hc_post(a, X, post, comb)
-        y, post, comb = hc_pre(cfg, X, lp["hc_ffn_fn"], lp["hc_ffn_scale"], lp["hc_ffn_base"])
-        f = moe(cfg, lp["ffn"], rmsw(y, lp["ffn_norm"], cfg.rms_eps), tokens, cfg.hash_layers[i])
-        X = hc_post(f, X, post, comb)
-        layers.append(ls)
+
+    def attend(i: int, p: Params, ls: Any, y: jax.Array) -> tuple[jax.Array, Any]:
+        return attention(cfg, i, p, ls, y, positions, n, n_valid)
+
+    X, layers = run_layers(params, cfg, tokens, state.layers, attend)
 
     def head(Xs: jax.Array) -> jax.Array:
-        return linear(rmsw(hc_head(cfg, Xs, params), params["norm"], cfg.rms_eps), params["head"])
+        return logits_of(params, cfg, Xs)
 
     if all_logits:
         logits = head(X)
@@ -66,6 +59,37 @@ def forward_chunk(
         logits = last
     new = DecodeState(layers=tuple(layers), pos=n + n_valid, logits=last.astype(jnp.float32))
     return new, logits
+
+
+def run_layers(
+    params: Params,
+    cfg: Config,
+    tokens: jax.Array,
+    layer_states: Sequence[Any],
+    attend: Callable[[int, Params, Any, jax.Array], tuple[jax.Array, Any]],
+) -> tuple[jax.Array, list[Any]]:
+    """Embedding and every layer for tokens [T]: hyper-connections, attention through
+    `attend(layer, attn params, layer state, normed input [T, D])` — one sequence's chunk
+    here, one token of each of T sessions in `model.batch` — and the MoE, which sees the T
+    tokens together either way. Returns (hyper-connection streams [T, hc, D], new states)."""
+    T = tokens.shape[0]
+    x = params["embed"][tokens].astype(jnp.float32)
+    X = jnp.broadcast_to(x[:, None, :], (T, cfg.hc_mult, cfg.hidden_size))
+    layers = []
+    for i, (lp, ls) in enumerate(zip(params["layers"], layer_states, strict=True)):
+        y, post, comb = hc_pre(cfg, X, lp["hc_attn_fn"], lp["hc_attn_scale"], lp["hc_attn_base"])
+        a, ls = attend(i, lp["attn"], ls, rmsw(y, lp["attn_norm"], cfg.rms_eps))
+        X = hc_post(a, X, post, comb)
+        y, post, comb = hc_pre(cfg, X, lp["hc_ffn_fn"], lp["hc_ffn_scale"], lp["hc_ffn_base"])
+        f = moe(cfg, lp["ffn"], rmsw(y, lp["ffn_norm"], cfg.rms_eps), tokens, cfg.hash_layers[i])
+        X = hc_post(f, X, post, comb)
+        layers.append(ls)
+    return X, layers
+
+
+def logits_of(params: Params, cfg: Config, X: jax.Array) -> jax.Array:
+    """The head: hyper-connection streams [T, hc, D] → logits [T, vocab]."""
+    return linear(rmsw(hc_head(cfg, X, params), params["norm"], cfg.rms_eps), params["head"])
 
 
 def plan_chunks(n: int, sizes: Sequence[int] = CHUNK_SIZES) -> list[tuple[int, int]]:

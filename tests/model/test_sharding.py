@@ -40,6 +40,32 @@ SCRIPT = textwrap.dedent(
     err = float(np.abs(np.asarray(out) - np.asarray(ref)).max())
     print("max_err", err)
     assert err <= 1e-5, err
+
+    # the batched decode step: two rows, sharded params, the same tokens and logits
+    import jax.numpy as jnp
+    from ds4jax.model import batch as mb
+
+    def batch_of(p, place):
+        b = mb.empty_batch(cfg, 64, 2)
+        for row, n in enumerate((20, 33)):
+            s, _ = prefill(p, place(init_state(cfg, 64)), toks[:n], cfg, chunk_sizes=(16,))
+            b = mb.insert(b, jnp.int32(row), s)
+        return place(b)
+
+    def step(p, b):
+        keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), 2)))
+        out = mb.step(p, b, np.array([-1, 7], np.int32), keys, np.zeros(2, np.float32),
+                      np.zeros(2, np.int32), np.ones(2, np.float32), np.zeros(2, np.float32),
+                      np.int32(1), cfg=cfg, size=2)
+        return out[0].logits, out[1]
+
+    one = lambda x: jax.device_put(x, jax.devices()[0])
+    ref_logits, ref_tokens = step(one_dev, batch_of(one_dev, one))
+    logits, tokens = step(sharded, batch_of(sharded, lambda x: jax.device_put(x, replicated(mesh))))
+    assert tokens.tolist() == ref_tokens.tolist()
+    berr = float(np.abs(np.asarray(logits) - np.asarray(ref_logits)).max())
+    print("batch_max_err", berr)
+    assert berr <= 1e-5, berr
     """
 )
 
@@ -57,7 +83,7 @@ def test_eight_device_mesh_matches_one_device() -> None:
         timeout=600,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "max_err" in out.stdout
+    assert "max_err" in out.stdout and "batch_max_err" in out.stdout
 
 
 def test_logical_axes_put_experts_and_heads_on_their_axes() -> None:

@@ -1,0 +1,120 @@
+"""Batched decode: B resident sessions advance by one token in one jitted step.
+
+Decode is memory-bound: one step reads every weight once whether it serves one row or
+eight, so stepping the active sessions together multiplies throughput. The batch is a
+`DecodeState` whose leaves carry a leading row axis (positions are per row), of a fixed
+capacity; a session's frontier enters a row with `insert` and leaves with `extract`, both
+jitted, `insert` donating the batch so it is updated in place. `step` advances the first
+`size` rows, `size` from the fixed set `BATCH_SIZES` (rows past the active ones are
+padding whose results nobody reads), so the number of active rows never compiles a new
+program.
+
+One step, per row: sample the next token from the row's logits with the row's own
+parameters and key (`sampling.sample_rows`), or take the token the host forces (tool_choice,
+a thinking budget, teacher forcing: `override` ≥ 0); evaluate it — except EOS, which is
+sampled and never evaluated (the next turn's suffix starts with it), so such a row keeps
+its state. Rows are independent, so each row's logits equal the
+same session decoded alone, to float rounding: attention runs per row (`vmap`), while the
+projections outside it and the MoE see the B tokens together (`forward_rows`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from ds4jax.config import Config
+from ds4jax.model.forward import logits_of, run_layers
+from ds4jax.model.layers import attention
+from ds4jax.model.params import Params
+from ds4jax.model.state import DecodeState, init_state
+from ds4jax.sampling import sample_rows
+
+BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8)
+
+
+def bucket(n: int, sizes: tuple[int, ...] = BATCH_SIZES) -> int:
+    """The smallest batch size that holds `n` rows."""
+    for s in sorted(sizes):
+        if s >= n:
+            return s
+    raise ValueError(f"{n} rows exceed the largest batch size {max(sizes)}")
+
+
+def empty_batch(cfg: Config, max_len: int, rows: int) -> DecodeState:
+    """`rows` empty states. Every leaf is strongly typed and committed to its device, as
+    `step` returns them, so the first step compiles the same program as every later one."""
+    one = init_state(cfg, max_len)
+    batch = jax.tree.map(
+        lambda x: jnp.array(jnp.broadcast_to(x, (rows, *x.shape)), dtype=x.dtype), one
+    )
+    return jax.device_put(batch, jax.devices()[0])
+
+
+@partial(jax.jit, donate_argnums=0)
+def insert(batch: DecodeState, row: jax.Array, state: DecodeState) -> DecodeState:
+    return jax.tree.map(
+        lambda b, s: jax.lax.dynamic_update_index_in_dim(b, s.astype(b.dtype), row, 0),
+        batch,
+        state,
+    )
+
+
+@jax.jit
+def extract(batch: DecodeState, row: jax.Array) -> DecodeState:
+    return jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, row, 0, keepdims=False), batch)
+
+
+def forward_rows(params: Params, rows: DecodeState, tokens: jax.Array, cfg: Config) -> DecodeState:
+    """One token for each of B sessions: attention per row (its own state and position,
+    `vmap`), everything else over the B tokens together — so the MoE routes B tokens and
+    every weight is read once per step, not once per row."""
+    n = rows.pos
+
+    def attend(i: int, p: Params, ls, y: jax.Array):
+        def one(ls_r, y_r, n_r):
+            out, ls_r = attention(cfg, i, p, ls_r, y_r[None], n_r[None], n_r, jnp.int32(1))
+            return out[0], ls_r
+
+        return jax.vmap(one)(ls, y, n)
+
+    X, layers = run_layers(params, cfg, tokens, rows.layers, attend)
+    logits = logits_of(params, cfg, X)
+    return DecodeState(layers=tuple(layers), pos=n + 1, logits=logits.astype(jnp.float32))
+
+
+@partial(jax.jit, static_argnames=("cfg", "size"), donate_argnums=1)
+def step(
+    params: Params,
+    batch: DecodeState,
+    override: jax.Array,  # [size] int32: a forced token, or -1 to sample
+    key_data: jax.Array,  # [size, 2] uint32: each row's PRNG key (`jax.random.key_data`)
+    temperature: jax.Array,  # [size] float32; ≤ 0 = greedy
+    top_k: jax.Array,  # [size] int32; 0 = off
+    top_p: jax.Array,  # [size] float32; 1 = off
+    min_p: jax.Array,  # [size] float32; 0 = off
+    eos_id: jax.Array,
+    *,
+    cfg: Config,
+    size: int,
+) -> tuple[DecodeState, jax.Array, jax.Array]:
+    """Advance rows [0, size) by one token; returns (batch, tokens [size], next key data).
+    Pass the per-row arguments as host (numpy) arrays: the same program then serves every
+    call, whatever produced them."""
+    rows = jax.tree.map(lambda x: x[:size], batch)
+    split = jax.vmap(jax.random.split)(jax.random.wrap_key_data(key_data))
+    keys, sub = split[:, 0], split[:, 1]
+    sampled = sample_rows(rows.logits, sub, temperature, top_k, top_p, min_p)
+    tokens = jnp.where(override >= 0, override, sampled).astype(jnp.int32)
+
+    advanced = forward_rows(params, rows, tokens, cfg)
+    evaluated = tokens != eos_id
+    new = jax.tree.map(
+        lambda n, o: jnp.where(evaluated.reshape((-1,) + (1,) * (n.ndim - 1)), n, o),
+        advanced,
+        rows,
+    )
+    batch = jax.tree.map(lambda b, n: jax.lax.dynamic_update_slice_in_dim(b, n, 0, 0), batch, new)
+    return batch, tokens, jax.random.key_data(keys)
