@@ -7,6 +7,7 @@
     python -m bench disk            # disk save/restore vs raw I/O; restore+suffix vs cold
     python -m bench kernels         # Pallas kernels vs jnp twins (interpreted on CPU)
     python -m bench sessions        # session pool: live rate, retry, sub-agent, memory
+    python -m bench batching        # batched decode throughput, TTFT under load, latency
     python -m bench layers          # where ds4jax's time goes inside one chunk
     python -m bench --quick         # small sizes: a smoke run
 
@@ -24,7 +25,7 @@ import sys
 import time
 from typing import Any
 
-PARTS = ("prompt", "model", "continuation", "disk", "kernels", "sessions", "layers")
+PARTS = ("prompt", "model", "continuation", "disk", "kernels", "sessions", "batching", "layers")
 
 #: `make bench` must end within 20 minutes on 2 cores: the model part caps itself
 #: (`--budget-min`) and the layer breakdown starts no case after this.
@@ -57,6 +58,10 @@ def run_part(part: str, quick: bool, rest: list[str], t0: float) -> dict[str, An
         from bench import sessions
 
         return sessions.main(quick=quick)
+    if part == "batching":
+        from bench import batching
+
+        return batching.main(quick=quick)
     from bench import layers
 
     return layers.main(rest, deadline=t0 + 60 * LAYERS_DEADLINE_MIN)

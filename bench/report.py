@@ -231,6 +231,18 @@ def sessions_memory_rows(rep: Row) -> list[Row]:
     return list(rep["memory"])
 
 
+def batching_throughput_rows(rep: Row) -> list[Row]:
+    return list(rep["rows"])
+
+
+def batching_ttft_rows(rep: Row) -> list[Row]:
+    return list(rep.get("ttft", []))
+
+
+def batching_latency_rows(rep: Row) -> list[Row]:
+    return list(rep.get("latency", []))
+
+
 TABLES: dict[str, list[tuple[str, Callable[[Row], list[Row]]]]] = {
     "prompt": [("tokenize", prompt_rows)],
     "model": [("prefill", prefill_rows), ("decode", decode_rows), ("state-bytes", state_rows)],
@@ -240,6 +252,8 @@ TABLES: dict[str, list[tuple[str, Callable[[Row], list[Row]]]]] = {
     "layers": [("layers", layer_rows)],
     "sessions": [("live-rate", sessions_live_rows), ("retry", sessions_retry_rows),
                  ("subagent", sessions_subagent_rows), ("memory", sessions_memory_rows)],
+    "batching": [("throughput", batching_throughput_rows), ("ttft", batching_ttft_rows),
+                 ("latency", batching_latency_rows)],
 }  # fmt: skip
 
 

@@ -181,6 +181,32 @@ def sessions(rep: Row) -> list[Row]:
     return out
 
 
+def batching(rep: Row) -> list[Row]:
+    out = []
+    by = {(r["model"], r["batch"]): r for r in rep["rows"]}
+    for model in dict.fromkeys(r["model"] for r in rep["rows"]):
+        one = by.get((model, 1))
+        if one is None:
+            continue
+        for b in (4, 8):
+            if (model, b) in by:
+                many = by[(model, b)]["tokens_per_s"]
+                out.append(ratio("batching", f"B={b} / B=1 decode tok/s", model, many,
+                                 one["tokens_per_s"], "tok/s"))  # fmt: skip
+        solo = one["solo_decode_step_tokens_per_s"]
+        out.append(ratio("batching", "batched B=1 / solo decode_step tok/s", model,
+                         one["tokens_per_s"], solo, "tok/s"))  # fmt: skip
+    for r in rep.get("ttft", []):
+        out.append(ratio("batching", f"short-request TTFT under load / idle, max_batch "
+                         f"{r['max_batch']}", f"{r['long_generation_tokens']}-token generation",
+                         r["under_load_ttft_s"], r["idle_ttft_s"], "s"))  # fmt: skip
+    lat = {r["streams"]: r for r in rep.get("latency", [])}
+    if 1 in lat and 8 in lat:
+        out.append(ratio("batching", "per-token p99, 8 streams / 1", "tiny",
+                         lat[8]["p99_ms"], lat[1]["p99_ms"], "ms"))  # fmt: skip
+    return out
+
+
 PARTS = {
     "prompt": prompt,
     "model": model,
@@ -188,6 +214,7 @@ PARTS = {
     "disk": disk,
     "kernels": kernels,
     "sessions": sessions,
+    "batching": batching,
 }
 
 

@@ -16,10 +16,10 @@ fork points); `ds4jax serve` runs it with `--sessions` (default 4) and fork poin
 
 from __future__ import annotations
 
-import codecs
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,21 +31,15 @@ from ds4jax.chat import specials
 from ds4jax.chat.anthropic import MessagesRequest
 from ds4jax.chat.conversation import Conversation
 from ds4jax.chat.dsml_parse import (
-    DSMLStreamParser,
     Event,
-    ParsedMessage,
-    ToolUseStart,
-    collect_events,
-    find_stop,
-    stop_safe_len,
 )
 from ds4jax.chat.render import render
-from ds4jax.chat.segments import Segment, normalize, template
+from ds4jax.chat.segments import Segment, normalize
 from ds4jax.chat.tokenizer import Tokenizer
 from ds4jax.config import Config
 from ds4jax.continuation.evidence import attach_tool_memory, tool_tail, validate_tool_results
 from ds4jax.continuation.pool import Pool, Route, Session, evictions, route
-from ds4jax.continuation.tool_memory import ToolMemory, new_tool_id
+from ds4jax.continuation.tool_memory import ToolMemory
 from ds4jax.continuation.types import (
     Bindings,
     CacheSource,
@@ -53,14 +47,13 @@ from ds4jax.continuation.types import (
     LiveFrontier,
     Rejection,
     RequestView,
-    ThinkingBinding,
-    ToolBinding,
 )
+from ds4jax.decoding import Result, RowDecoder, ToolCallStarted
 from ds4jax.kvstore.store import KVStore, NoStore
+from ds4jax.model import batch as batch_ops
 from ds4jax.model.forward import CHUNK_SIZES, decode_step, prefill
 from ds4jax.model.params import Params
 from ds4jax.model.state import capacity_bytes, init_state
-from ds4jax.sampling import sample
 
 log = logging.getLogger("ds4jax.engine")
 
@@ -111,38 +104,49 @@ class Prepared:
         return len(self.view.tokens)
 
 
-@dataclass(frozen=True)
-class ToolCallStarted:
-    """A tool call opened in the stream, with the id the turn will be remembered under."""
+@dataclass(eq=False)
+class Ticket:
+    """One request in the scheduler: what it was given, then its progress."""
 
-    index: int
-    id: str
-    name: str
-
-
-@dataclass
-class Result:
-    source: CacheSource
-    cached: int  # tokens reused from a stored state
-    prefilled: int  # tokens evaluated for the prompt
-    output_tokens: int
-    finish: str  # end_turn | max_tokens | stop_sequence | tool_use | cancelled
-    message: ParsedMessage
-    tool_ids: list[str]
-    stop_sequence: str | None = None
-    raw_text: str = ""
+    prepared: Prepared
+    emit: Callable[[Event | ToolCallStarted], None]
+    progress: Callable[[int, int], None] | None
+    cancel: threading.Event | None
+    on_decision: Callable[[Decision, int], None] | None
+    forced: list[int] | None
+    on_done: Callable[[Ticket], None] | None = None
+    result: Result | None = None
+    error: Exception | None = None
+    finished: threading.Event = field(default_factory=threading.Event)
+    # set when it starts: the route, the prompt, the prefill cursor, then its row
+    routed: Route | None = None
+    decision: Decision | None = None
+    session: Session | None = None
+    tokens: list[int] = field(default_factory=list)
+    suffix_n: int = 0
+    base_segments: tuple[Segment, ...] = ()
+    state: Any = None
+    done_tokens: int = 0
+    cuts: dict[int, str] = field(default_factory=dict)
+    before_think: int | None = None
+    before_think_state: Any = None
+    t0: float = 0.0
     prefill_seconds: float = 0.0
-    session: int = 0  # the slot that served it
-    forked_from: int | None = None  # the slot whose fork point it continued
+    decoder: RowDecoder | None = None
+    row: int | None = None
 
-    @property
-    def prompt_tokens(self) -> int:
-        return self.cached + self.prefilled
+    def succeed(self, result: Result) -> None:
+        self.result = result
+        self._end()
 
+    def fail(self, err: Exception) -> None:
+        self.error = err
+        self._end()
 
-def _tool_ids_complete(message: ParsedMessage) -> bool:
-    calls = message.tool_calls
-    return bool(calls) and message.error is None and all(c.complete for c in calls)
+    def _end(self) -> None:
+        self.finished.set()
+        if self.on_done is not None:
+            self.on_done(self)
 
 
 class Engine:
@@ -159,9 +163,11 @@ class Engine:
         sessions: int = 1,
         fork_points: bool = False,
         state_budget_bytes: int | None = None,
+        max_batch: int = 1,
     ) -> None:
         """`sessions`, `fork_points`, `state_budget_bytes`: the session pool
-        (`continuation.pool`); the budget bounds the retained states (None: unbounded)."""
+        (`continuation.pool`); the budget bounds the retained states (None: unbounded).
+        `max_batch`: requests decoded together in one step (`model.batch`)."""
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer
@@ -179,6 +185,13 @@ class Engine:
         self._pool_args = dict(budget=state_budget_bytes, state_nbytes=self.state_nbytes,
                                keep_forks=fork_points)  # fmt: skip
         self.pool = Pool.create(sessions, **self._pool_args)
+        self.max_batch = batch_ops.bucket(max_batch)
+        self._batch = batch_ops.empty_batch(cfg, max_len, self.max_batch)
+        self._keys = np.zeros((self.max_batch, 2), np.uint32)
+        self._rows: list[Ticket | None] = [None] * self.max_batch
+        self.waiting: deque[Ticket] = deque()
+        self._prefilling: Ticket | None = None
+        self._work = threading.Event()  # set while there is something to step
         self._lock = threading.Lock()  # one request at a time
         self._state_lock = threading.Lock()  # guards live + bindings for readers
         self._special_ids = {tokenizer.special_id(s) for s in specials.TEMPLATE_SPECIALS}
@@ -305,13 +318,35 @@ class Engine:
             out.append(Segment(run.decode("utf-8", errors="replace")))
         return out
 
-    def route(self, prepared: Prepared) -> Route | Rejection:
+    def route(self, prepared: Prepared) -> Route | Rejection | None:
         with self._state_lock:
-            return route(prepared.view, self.pool, self.store, prepared.hint)
+            return route(prepared.view, self.pool, self.store, prepared.hint,
+                         busy=self._busy_slots())  # fmt: skip
 
     def decide(self, prepared: Prepared) -> Decision | Rejection:
         r = self.route(prepared)
         return r if isinstance(r, Rejection) else r.decision
+
+    def submit(
+        self,
+        prepared: Prepared,
+        *,
+        on_event: Callable[[Event | ToolCallStarted], None] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        cancel: threading.Event | None = None,
+        on_decision: Callable[[Decision, int], None] | None = None,
+        forced_tokens: Sequence[int] | None = None,
+        on_done: Callable[[Ticket], None] | None = None,
+    ) -> Ticket:
+        """Queue a request; `tick` (or `run`) serves it. `on_done(ticket)` fires once it has
+        a result or an error."""
+        ticket = Ticket(prepared, on_event or (lambda _e: None), progress, cancel,
+                        on_decision, list(forced_tokens) if forced_tokens is not None else None,
+                        on_done)  # fmt: skip
+        with self._state_lock:
+            self.waiting.append(ticket)
+        self._work.set()
+        return ticket
 
     def run(
         self,
@@ -323,20 +358,91 @@ class Engine:
         on_decision: Callable[[Decision, int], None] | None = None,
         forced_tokens: Sequence[int] | None = None,
     ) -> Result:
-        """Serve one request. `on_decision(decision, prefill_tokens)` fires once the path is
+        """Serve one request to the end, stepping the scheduler (and so every other active
+        request) meanwhile. `on_decision(decision, prefill_tokens)` fires once the path is
         chosen, before prefill. `forced_tokens` replaces sampling by these tokens (teacher
         forcing, for tests only: the model still evaluates every one of them)."""
-        with self._lock:
-            return self._run(prepared, on_event, progress, cancel, on_decision, forced_tokens)
+        ticket = self.submit(prepared, on_event=on_event, progress=progress, cancel=cancel,
+                             on_decision=on_decision, forced_tokens=forced_tokens)  # fmt: skip
+        while not ticket.finished.is_set():
+            self.tick()
+        if ticket.error is not None:
+            raise ticket.error
+        assert ticket.result is not None
+        return ticket.result
 
-    def _run(self, prepared, on_event, progress, cancel, on_decision, forced_tokens) -> Result:
-        emit = on_event or (lambda _e: None)
-        routed = self.route(prepared)
+    @property
+    def busy(self) -> bool:
+        """Requests waiting, prefilling or decoding."""
+        return bool(self.waiting or self._prefilling is not None or any(self._rows))
+
+    def tick(self) -> None:
+        """One scheduler step: admit the oldest waiting request if a row is free, run one
+        prefill chunk of the request being prefilled, then one decode step for every active
+        row. So a long prefill delays the others' tokens by one chunk per step, and requests
+        join and leave at step boundaries."""
+        with self._lock:
+            try:
+                if self._prefilling is None:
+                    self._admit()
+                if self._prefilling is not None:
+                    self._prefill_chunk(self._prefilling)
+                if any(self._rows):
+                    self._decode_step()
+            finally:
+                if not self.busy:
+                    self._work.clear()
+
+    def abort(self, err: Exception) -> None:
+        """Fail every request in the scheduler (after a step raised): their rows and the
+        batch are dropped; sessions keep their last completed frontiers."""
+        with self._lock:
+            tickets = [*self.waiting, *(t for t in self._rows if t is not None)]
+            if self._prefilling is not None:
+                tickets.append(self._prefilling)
+            self.waiting.clear()
+            self._prefilling = None
+            self._rows = [None] * self.max_batch
+            self._batch = batch_ops.empty_batch(self.cfg, self.max_len, self.max_batch)
+        for t in tickets:
+            t.fail(err)
+
+    def _free_row(self) -> int | None:
+        for i, t in enumerate(self._rows):
+            if t is None:
+                return i
+        return None
+
+    def _busy_slots(self) -> frozenset[int]:
+        slots = {t.session.slot for t in self._rows if t is not None}
+        if self._prefilling is not None:
+            slots.add(self._prefilling.session.slot)
+        return frozenset(slots)
+
+    def _admit(self) -> None:
+        while self.waiting and self._free_row() is not None:
+            ticket = self.waiting[0]
+            with self._state_lock:
+                routed = route(ticket.prepared.view, self.pool, self.store, ticket.prepared.hint,
+                               busy=self._busy_slots())  # fmt: skip
+            if routed is None:
+                return  # every slot serves an active request: wait for one to finish
+            self.waiting.popleft()
+            try:
+                self._begin(ticket, routed)
+            except Exception as err:
+                ticket.fail(err)
+                continue
+            self._prefilling = ticket
+            return
+
+    def _begin(self, ticket: Ticket, routed: Route | Rejection) -> None:
+        """Apply the routing decision: the base state, the suffix, the log line, the evict
+        save of a displaced frontier; prefill starts at the next chunk."""
+        prepared = ticket.prepared
         if isinstance(routed, Rejection):
             raise EngineError(routed.status, routed.message, routed.error_type)
         decision, session = routed.decision, self.pool.sessions[routed.slot]
-
-        # ---- the base state and the suffix
         if decision.source == CacheSource.DISK:
             try:
                 disk_state = decision.disk.load()
@@ -385,9 +491,8 @@ class Engine:
                 len(tokens),
                 session.slot,
             )
-
-        if on_decision is not None:
-            on_decision(decision, len(suffix))
+        if ticket.on_decision is not None:
+            ticket.on_decision(decision, len(suffix))
 
         # A request that takes a used slot replaces its live frontier: keep it on disk
         # first, so a client that comes back to that conversation finds it (ds4's "evict")
@@ -395,33 +500,54 @@ class Engine:
         if displaced is not None and displaced.pos:
             self._save(displaced.tokens, displaced.state, "evict")
 
-        # ---- prefill the suffix, stopping at the store's save points
-        t0 = time.perf_counter()
-        state = base_state
-        done = len(decision.base)
-        cuts = self._save_points(decision, tokens)
-        before_think = self._before_think_cut(prepared, decision, tokens)
-        before_think_state = None
-        for cut in [*sorted({*cuts, before_think} - {None}), len(tokens)]:
-            if cut <= done:
-                continue
-            state, _ = prefill(
-                self.params, state, tokens[done:cut], self.cfg, chunk_sizes=self.chunk_sizes,
-                progress=(lambda d, _t, o=done: progress(o + d - len(decision.base), len(suffix)))
+        ticket.routed, ticket.decision, ticket.session = routed, decision, session
+        ticket.tokens, ticket.suffix_n, ticket.base_segments = tokens, len(suffix), base_segments
+        ticket.state, ticket.done_tokens = base_state, len(decision.base)
+        ticket.cuts = self._save_points(decision, tokens)
+        ticket.before_think = self._before_think_cut(prepared, decision, tokens)
+        ticket.t0 = time.perf_counter()
+
+    def _prefill_chunk(self, ticket: Ticket) -> None:
+        """Evaluate the next chunk of the prompt (stopping at the store's save points and
+        the fork point before `<think>`); at the prompt's end the request takes a row."""
+        tokens, done = ticket.tokens, ticket.done_tokens
+        stops = sorted({*ticket.cuts, ticket.before_think, len(tokens)} - {None})
+        end = next((c for c in stops if c > done), None)
+        if end is not None:
+            size = max(self.chunk_sizes)
+            end = min(end, done + size)
+            base = len(ticket.decision.base)
+            progress = ticket.progress
+            ticket.state, _ = prefill(
+                self.params, ticket.state, tokens[done:end], self.cfg,
+                chunk_sizes=self.chunk_sizes,
+                progress=(lambda d, _t, o=done: progress(o + d - base, ticket.suffix_n))
                 if progress else None,
             )  # fmt: skip
-            done = cut
-            if cut in cuts:
-                self._save(tuple(tokens[:cut]), state, cuts[cut])
-            if cut == before_think:
-                before_think_state = state
+            ticket.done_tokens = done = end
+            if end in ticket.cuts:
+                self._save(tuple(tokens[:end]), ticket.state, ticket.cuts[end])
+            if end == ticket.before_think:
+                ticket.before_think_state = ticket.state
+        if done < len(tokens):
+            return
+        self._prefilling = None
+        try:
+            self._prompt_done(ticket)
+        except Exception as err:
+            ticket.fail(err)
+
+    def _prompt_done(self, ticket: Ticket) -> None:
+        state, tokens, decision = ticket.state, ticket.tokens, ticket.decision
+        session = ticket.session
         state.logits.block_until_ready()
-        prefill_seconds = time.perf_counter() - t0
-        log.info("prompt done %.3fs", prefill_seconds)
+        ticket.prefill_seconds = time.perf_counter() - ticket.t0
+        log.info("prompt done %.3fs", ticket.prefill_seconds)
+        prepared = ticket.prepared
         if decision.suffix_tokens is not None:  # all request tokens (cold, token prefixes)
             live_segments = prepared.view.segments
         else:
-            live_segments = normalize([*base_segments, *(decision.suffix_segments or ())])
+            live_segments = normalize([*ticket.base_segments, *(decision.suffix_segments or ())])
         prompt_end = LiveFrontier(state, tuple(tokens), live_segments)
         with self._state_lock:
             pool = self.pool
@@ -437,26 +563,77 @@ class Engine:
             if decision.source != CacheSource.THINKING_VISIBLE:
                 session.bindings.thinking = None
             pool.retain(prompt_end, session.slot)
-            if before_think_state is not None and live_segments[-1:] == (THINK_START_SEGMENT,):
-                pool.retain(
-                    LiveFrontier(before_think_state, tuple(tokens[:-1]), live_segments[:-1]),
-                    session.slot,
-                )
+            bt = ticket.before_think_state
+            if bt is not None and live_segments[-1:] == (THINK_START_SEGMENT,):
+                pool.retain(LiveFrontier(bt, tuple(tokens[:-1]), live_segments[:-1]), session.slot)
+        ticket.decoder = RowDecoder(self, prepared, session, list(tokens), live_segments,
+                                    ticket.emit, ticket.cancel, ticket.forced)  # fmt: skip
+        row = self._free_row()
+        assert row is not None  # reserved at admission
+        seed = prepared.sampling.seed
+        key = jax.random.key(seed if seed is not None else time.time_ns() % (2**31))
+        self._keys[row] = np.asarray(jax.random.key_data(key))
+        self._batch = batch_ops.insert(self._batch, np.int32(row), state)
+        self._rows[row] = ticket
+        ticket.row = row
 
-        # ---- decode
-        try:
-            result = self._decode(
-                prepared, session, state, tokens, live_segments, emit, cancel, forced_tokens
+    def _decode_step(self) -> None:
+        """One batched step for every active row; finished rows leave the batch."""
+        size = batch_ops.bucket(max(i for i, t in enumerate(self._rows) if t is not None) + 1)
+        override = np.full(size, -1, np.int32)
+        temperature = np.zeros(size, np.float32)
+        top_k = np.zeros(size, np.int32)
+        top_p = np.ones(size, np.float32)
+        min_p = np.zeros(size, np.float32)
+        stepping = []
+        for row, ticket in enumerate(self._rows[:size]):
+            if ticket is None:
+                continue
+            planned = ticket.decoder.plan()
+            if planned is None:
+                self._finish_row(row)
+                continue
+            override[row] = planned
+            sp = ticket.prepared.sampling
+            temperature[row], top_k[row], top_p[row], min_p[row] = (
+                sp.temperature,
+                sp.top_k,
+                sp.top_p,
+                sp.min_p,
             )
+            stepping.append(row)
+        if not stepping:
+            return
+        self._batch, tokens, keys = batch_ops.step(
+            self.params, self._batch, override, self._keys[:size], temperature, top_k, top_p,
+            min_p, np.int32(self.tokenizer.eos_id), cfg=self.cfg, size=size,
+        )  # fmt: skip
+        tokens, keys = np.asarray(tokens), np.asarray(keys)
+        for row in stepping:
+            self._keys[row] = keys[row]
+            ticket = self._rows[row]
+            ticket.decoder.accept(int(tokens[row]))
+            if ticket.decoder.done:
+                self._finish_row(row)
+
+    def _finish_row(self, row: int) -> None:
+        ticket = self._rows[row]
+        self._rows[row] = None
+        try:
+            state = batch_ops.extract(self._batch, np.int32(row))
+            result = ticket.decoder.finish(state)
+            result.source = ticket.decision.source
+            result.cached = ticket.decision.cached
+            result.prefilled = ticket.suffix_n
+            result.prefill_seconds = ticket.prefill_seconds
+            result.session = ticket.session.slot
+            result.forked_from = ticket.routed.fork.owner if ticket.routed.fork else None
+        except Exception as err:
+            ticket.fail(err)
+        else:
+            ticket.succeed(result)
         finally:
-            self._enforce_budget(session.slot)
-        result.source = decision.source
-        result.cached = decision.cached
-        result.prefilled = len(suffix)
-        result.prefill_seconds = prefill_seconds
-        result.session = session.slot
-        result.forked_from = routed.fork.owner if routed.fork is not None else None
-        return result
+            self._enforce_budget(ticket.session.slot)
 
     def _before_think_cut(self, prepared: Prepared, decision: Decision, tokens: list[int]):
         """Where to keep a second fork point, just before the prompt's closing `<think>`,
@@ -480,7 +657,7 @@ class Engine:
         """Drop what the state budget no longer holds; with a store, evicted states are
         saved first (they come back as disk hits)."""
         with self._state_lock:
-            forks, slots = evictions(self.pool, keep)
+            forks, slots = evictions(self.pool, self._busy_slots() | {keep})
             dropped = [f.frontier for f in forks]
             dropped += [self.pool.sessions[i].live for i in slots]
             self.pool.forks = [f for f in self.pool.forks if f not in forks]
@@ -490,155 +667,6 @@ class Engine:
             if frontier is not None and frontier.pos:
                 log.info("evict %d tokens (state budget)", frontier.pos)
                 self._save(frontier.tokens, frontier.state, "evict")
-
-    def _decode(self, prepared, session, state, tokens, segments, emit, cancel, forced) -> Result:
-        tok = self.tokenizer
-        parser = DSMLStreamParser(thinking=prepared.thinking)
-        events: list[Event] = []
-        tool_ids: list[str] = []
-        stops = prepared.stop_sequences
-        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        raw = ""
-        fed = 0  # chars of `raw` given to the parser
-        generated: list[int] = []
-        finish = "max_tokens"
-        stop_hit: str | None = None
-        seed = prepared.sampling.seed
-        key = jax.random.key(seed if seed is not None else time.time_ns() % (2**31))
-        think_end = tok.special_id(specials.THINK_END)
-        in_thinking = prepared.thinking
-        queue: list[int] = []  # tokens forced by tool_choice / disable_parallel_tool_use
-        forced_at = 0
-        pending_force = prepared.force_after_think
-        closed_single = False
-        invoke_close = "</" + specials.DSML + "invoke>"
-
-        def push(events_in: list[Event]) -> None:
-            for ev in events_in:
-                events.append(ev)
-                if isinstance(ev, ToolUseStart):
-                    tid = new_tool_id([*tool_ids, *self.live_tool_ids()])
-                    tool_ids.append(tid)
-                    emit(ToolCallStarted(ev.index, tid, ev.name))
-                emit(ev)
-
-        budget = prepared.max_tokens
-        while len(generated) < budget:
-            if cancel is not None and cancel.is_set():
-                finish = "cancelled"
-                break
-            if len(tokens) >= self.max_len:
-                finish = "max_tokens"
-                break
-            if pending_force is not None and not in_thinking:
-                queue = tok.encode_segments(template(pending_force))
-                pending_force = None
-            if queue:  # server-forced tokens (tool_choice) come first
-                t = queue.pop(0)
-            elif (
-                in_thinking
-                and prepared.thinking_budget is not None
-                and len(generated) >= prepared.thinking_budget
-            ):
-                t = think_end  # the budget is spent: close the reasoning
-            elif forced is not None:  # teacher forcing (tests) stands in for sampling only
-                if forced_at >= len(forced):
-                    finish = "end_turn"
-                    break
-                t = int(forced[forced_at])
-                forced_at += 1
-            else:
-                key, sub = jax.random.split(key)
-                sp = prepared.sampling
-                t = int(
-                    sample(
-                        state.logits, sub, temperature=sp.temperature, top_k=sp.top_k,
-                        top_p=sp.top_p, min_p=sp.min_p,
-                    )
-                )  # fmt: skip
-            if t == tok.eos_id:
-                finish = "end_turn"  # sampled, never evaluated: the next turn's suffix has it
-                break
-            state = decode_step(self.params, state, t, self.cfg)
-            generated.append(t)
-            tokens.append(t)
-            if t == think_end:
-                in_thinking = False
-            raw += utf8.decode(tok.token_bytes(t))
-            hit = find_stop(raw, stops) if stops else None
-            if hit is not None:
-                at, length = hit
-                push(parser.feed(raw[fed:at]))
-                fed = at
-                stop_hit = raw[at : at + length]
-                finish = "stop_sequence"
-                break
-            safe = stop_safe_len(raw, stops) if stops else len(raw)
-            if safe > fed:
-                push(parser.feed(raw[fed:safe]))
-                fed = safe
-            if prepared.has_tools and parser.raw_dsml is not None:
-                finish = "tool_use"
-                break
-            if prepared.single_tool_call and not closed_single and not queue:
-                after = raw.rfind(specials.THINK_END) + 1 if prepared.thinking else 0
-                if invoke_close in raw[after:]:
-                    queue = tok.encode_segments(template("\n</" + specials.DSML + "tool_calls>"))
-                    closed_single = True
-        raw += utf8.decode(b"", final=True) if finish != "stop_sequence" else ""
-        if finish != "stop_sequence" and fed < len(raw):
-            push(parser.feed(raw[fed:]))
-        push(parser.finish())
-
-        message = collect_events(events, thinking=prepared.thinking)
-        message.raw_dsml = parser.raw_dsml
-        message.error = parser.error
-        if finish != "stop_sequence" and finish != "cancelled" and _tool_ids_complete(message):
-            if finish != "max_tokens":
-                finish = "tool_use"
-
-        live = LiveFrontier(
-            state, tuple(tokens), normalize([*segments, *self._segments_of(generated)])
-        )
-        with self._state_lock:
-            session.live = live
-            session.bindings.tool = None
-            session.bindings.thinking = None
-            if finish == "tool_use" and parser.raw_dsml is not None:
-                self.tool_memory.remember(tool_ids, parser.raw_dsml)
-                session.bindings.tool = ToolBinding(frozenset(tool_ids), live.pos)
-            elif (
-                finish == "end_turn"
-                and prepared.thinking
-                and not prepared.has_tools
-                and not message.tool_calls
-                and message.reasoning is not None
-                and not in_thinking
-            ):
-                session.bindings.thinking = ThinkingBinding(
-                    self._visible_transcript(prepared.view.segments, message.content), live.pos
-                )
-        return Result(
-            source=CacheSource.COLD,
-            cached=0,
-            prefilled=0,
-            output_tokens=len(generated) + (1 if finish == "end_turn" and forced is None else 0),
-            finish=finish,
-            message=message,
-            tool_ids=tool_ids if message.tool_calls else [],
-            stop_sequence=stop_hit,
-            raw_text=raw,
-        )
-
-    @staticmethod
-    def _visible_transcript(prompt: tuple[Segment, ...], content: str) -> tuple[Segment, ...]:
-        """What the next render shows for this turn once its reasoning is dropped: the prompt
-        with its closing `<think>` turned into `</think>`, then the content. The EOS that
-        follows is deliberately left out, so the next turn's suffix starts with it."""
-        body = list(prompt)
-        if body and body[-1] == Segment(specials.THINK_START, True):
-            body.pop()
-        return normalize([*body, Segment(specials.THINK_END, True), Segment(content)])
 
     # ------------------------------------------------------------------ disk hooks
 
@@ -692,6 +720,23 @@ class Engine:
         decode_step(
             self.params, self._empty, self.tokenizer.bos_id, self.cfg
         ).logits.block_until_ready()
+        # the batched step at every size up to max_batch, on a throwaway batch of the same
+        # shapes (rows of the real one may be decoding), and the row insert / extract
+        with self._lock:
+            scratch = batch_ops.empty_batch(self.cfg, self.max_len, self.max_batch)
+            scratch = batch_ops.insert(scratch, np.int32(0), self._empty)
+            for size in batch_ops.BATCH_SIZES:
+                if size > self.max_batch:
+                    break
+                for _ in range(2):  # the second call sees the step's own outputs
+                    scratch, _, _ = batch_ops.step(
+                        self.params, scratch, np.full(size, -1, np.int32),
+                        np.zeros((size, 2), np.uint32), np.zeros(size, np.float32),
+                        np.zeros(size, np.int32), np.ones(size, np.float32),
+                        np.zeros(size, np.float32), np.int32(self.tokenizer.eos_id),
+                        cfg=self.cfg, size=size,
+                    )  # fmt: skip
+            jax.block_until_ready(batch_ops.extract(scratch, np.int32(0)))
 
     def logits_for(self, tokens: Sequence[int]) -> np.ndarray:
         """Next-token logits of a cold prefill of `tokens` (fidelity checks)."""

@@ -25,6 +25,7 @@ DEFAULT_MODEL = "demo"
 FALLBACK_CONFIG = "tiny"
 DEFAULT_SEED = 0
 DEFAULT_SESSIONS = 4
+DEFAULT_MAX_BATCH = 8
 #: with no --state-budget-mb: room for every session's live frontier and as many fork points
 AUTO_BUDGET_STATES_PER_SESSION = 2
 
@@ -50,6 +51,8 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--state-budget-mb", type=int, default=None,
                     help="MB of retained states: sessions, fork points (default: 2 states "
                     "per session)")  # fmt: skip
+    sp.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                    help="requests decoded together in one step (1, 2, 4 or 8)")  # fmt: skip
     sp.add_argument("--kv-disk-dir", default=None, help="disk checkpoints (disk issue)")
     sp.add_argument("--kv-disk-space-mb", type=int, default=4096)
     sp.add_argument("--trace", default=None, help="append JSON lines per request to FILE")
@@ -83,6 +86,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
         )  # fmt: skip
     if args.sessions < 1:
         raise SystemExit("ds4jax serve: --sessions must be at least 1")
+    if not 1 <= args.max_batch <= 8:
+        raise SystemExit("ds4jax serve: --max-batch must be between 1 and 8")
     per_state = capacity_bytes(cfg, args.ctx)
     if args.state_budget_mb is None:
         budget = AUTO_BUDGET_STATES_PER_SESSION * args.sessions * per_state
@@ -91,13 +96,14 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     try:
         engine = Engine(
             cfg, params, tokenizer, max_len=args.ctx, store=store, sessions=args.sessions,
-            fork_points=True, state_budget_bytes=budget,
+            fork_points=True, state_budget_bytes=budget, max_batch=args.max_batch,
         )  # fmt: skip
     except ValueError as err:
         raise SystemExit(f"ds4jax serve: --state-budget-mb: {err}") from err
     banner += (
-        f"; {args.sessions} sessions, state budget {budget / 2**20:.0f} MB "
-        f"({per_state / 2**20:.1f} MB per session or fork point)"
+        f"; {args.sessions} sessions, batches of up to {engine.max_batch}, "
+        f"state budget {budget / 2**20:.0f} MB ({per_state / 2**20:.1f} MB per session or fork "
+        "point)"
     )
     if store is not None:
         # exact DSML replay survives a restart: tool ids → sampled bytes, before any request

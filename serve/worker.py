@@ -1,21 +1,28 @@
-"""One worker thread in front of the engine, and the bridge back to asyncio.
+"""One worker thread in front of the engine's scheduler, and the bridge back to asyncio.
 
 Model work never runs on the event loop: pings, /health and new connections stay
-responsive while a request prefills. Jobs are FIFO in a bounded queue (a full queue is a
-503 `overloaded_error`); a job cancelled before it starts is skipped, one cancelled while
-running stops at the engine's next step.
+responsive while requests prefill and decode. Jobs arrive in a bounded FIFO queue (a full
+queue is a 503 `overloaded_error`: it counts requests not yet started, never the ones
+decoding); the worker hands each to the engine (`Engine.submit`) and steps the engine's
+scheduler (`Engine.tick`) while it has work, so requests decode together, a new one's
+prefill interleaves chunk by chunk with the others' tokens, and each stream gets its
+tokens as they are sampled. A job cancelled before it starts is skipped; one cancelled
+while running stops at the engine's next step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ds4jax.engine import Engine, Prepared
+from ds4jax.engine import Engine, Prepared, Ticket
+
+log = logging.getLogger("ds4jax.serve")
 
 
 class Overloaded(RuntimeError):
@@ -43,9 +50,11 @@ class EngineWorker:
         self.engine = engine
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._loop, name="ds4jax-engine", daemon=True)
-        self.running: Job | None = None
+        self._inflight: list[Job] = []  # handed to the engine, not finished
+        self.running: Job | None = None  # the latest job handed to the engine, until it ends
         self.hooks: list[Callable[[Job, Any], None]] = []  # called after each finished job
         self._started = False
+        self._stopping = False
 
     def start(self) -> None:
         if not self._started:
@@ -54,7 +63,8 @@ class EngineWorker:
 
     @property
     def depth(self) -> int:
-        return self._jobs.qsize() + (1 if self.running is not None else 0)
+        """Jobs queued, prefilling or decoding."""
+        return self._jobs.qsize() + len(self._inflight)
 
     def submit(self, job: Job) -> None:
         try:
@@ -64,9 +74,10 @@ class EngineWorker:
         job.post("queued", self._jobs.qsize())
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel the running job, refuse the queued ones, and join the thread."""
-        if self.running is not None:
-            self.running.cancel.set()
+        """Cancel the running jobs, refuse the queued ones, and join the thread."""
+        self._stopping = True
+        for job in list(self._inflight):
+            job.cancel.set()
         while True:
             try:
                 job = self._jobs.get_nowait()
@@ -81,32 +92,61 @@ class EngineWorker:
         if self._started:
             self._thread.join(timeout)
 
+    def _start_job(self, job: Job) -> None:
+        self._inflight.append(job)
+        self.running = job
+        self.engine.submit(
+            job.prepared,
+            on_event=lambda ev, j=job: j.post("event", ev),
+            progress=lambda done, total, j=job: j.post("progress", (done, total)),
+            cancel=job.cancel,
+            on_decision=lambda d, n, j=job: j.post("decided", (d, n)),
+            forced_tokens=job.forced_tokens,
+            on_done=lambda t, j=job: self._finished(j, t),
+        )
+
+    def _finished(self, job: Job, ticket: Ticket) -> None:
+        if ticket.error is not None:  # reported to the client; the worker lives on
+            job.post("error", ticket.error)
+            result: Any = ticket.error
+        else:
+            job.post("done", ticket.result)
+            result = ticket.result
+        if job in self._inflight:
+            self._inflight.remove(job)
+        if self.running is job:
+            self.running = None
+        for hook in self.hooks:
+            try:
+                hook(job, result)
+            except Exception:  # a trace writer must never take the worker down
+                pass
+
     def _loop(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            if job.cancel.is_set():
-                continue
-            self.running = job
-            try:
-                result = self.engine.run(
-                    job.prepared,
-                    on_event=lambda ev, j=job: j.post("event", ev),
-                    progress=lambda done, total, j=job: j.post("progress", (done, total)),
-                    cancel=job.cancel,
-                    on_decision=lambda d, n, j=job: j.post("decided", (d, n)),
-                    forced_tokens=job.forced_tokens,
-                )
-            except Exception as err:  # reported to the client; the worker lives on
-                job.post("error", err)
-                result = err
-            else:
-                job.post("done", result)
-            finally:
-                self.running = None
-            for hook in self.hooks:
+            if self.engine.busy:  # keep stepping; take new jobs as they come
                 try:
-                    hook(job, result)
-                except Exception:  # a trace writer must never take the worker down
-                    pass
+                    job: Job | bool | None = self._jobs.get_nowait()
+                except queue.Empty:
+                    job = False
+            else:  # idle: sleep until a job (or the stop sentinel) arrives
+                job = self._jobs.get()
+            if job is None:
+                self._drain()
+                return
+            if isinstance(job, Job) and not job.cancel.is_set():  # else its client left
+                self._start_job(job)
+            self._step()
+
+    def _step(self) -> None:
+        if self.engine.busy:
+            try:
+                self.engine.tick()
+            except Exception as err:  # never expected: fail what is in flight, go on
+                log.exception("engine step failed")
+                self.engine.abort(err)
+
+    def _drain(self) -> None:
+        """Stopping: let the cancelled jobs in flight reach their next step and end."""
+        while self.engine.busy:
+            self._step()

@@ -183,6 +183,22 @@ SESSIONS = {
                 "bytes_per_fork_point": 10, "live_bytes_when_full": 9}],
 }  # fmt: skip
 
+BATCHING = {
+    "rows": [
+        {"model": "tiny", "batch": b, "context": 512, "steps": 32, "seconds": 1.0,
+         "tokens_per_s": 100.0 * b ** 0.5, "per_token_ms": 10.0,
+         "solo_decode_step_tokens_per_s": 80.0, "recompiles_after_warmup": 0}
+        for b in (1, 2, 4, 8)
+    ],
+    "recompiles_after_warmup": 0,
+    "ttft": [{"max_batch": 1, "long_generation_tokens": 256, "idle_ttft_s": 0.05,
+              "under_load_ttft_s": 2.5},
+             {"max_batch": 8, "long_generation_tokens": 256, "idle_ttft_s": 0.05,
+              "under_load_ttft_s": 0.1}],
+    "latency": [{"streams": 1, "steps": 60, "p50_ms": 5.0, "p99_ms": 6.0},
+                {"streams": 8, "steps": 60, "p50_ms": 12.0, "p99_ms": 15.0}],
+}  # fmt: skip
+
 RESULTS = {
     "prompt": PROMPT,
     "model": MODEL,
@@ -190,6 +206,7 @@ RESULTS = {
     "disk": DISK,
     "kernels": KERNELS,
     "sessions": SESSIONS,
+    "batching": BATCHING,
 }
 
 
@@ -222,6 +239,11 @@ def test_every_part_writes_stamped_csvs_and_its_plots(written) -> None:
         "disk-STAMP.png",
     ]
     assert names["kernels"] == ["kernels-STAMP-kernels.csv"]
+    assert names["batching"] == [
+        "batching-STAMP-latency.csv",
+        "batching-STAMP-throughput.csv",
+        "batching-STAMP-ttft.csv",
+    ]
     assert names["sessions"] == [
         "sessions-STAMP-live-rate.csv",
         "sessions-STAMP-memory.csv",
@@ -295,6 +317,11 @@ def test_summary_ratios_are_this_runs_measurements() -> None:
     assert _value(rows, "live tool turns, 1 sessions", "6 agents") == 0.0
     assert _value(rows, "live tool turns, 6 sessions", "6 agents") == 1.0
     assert _value(rows, "cold / retry TTFT", "16000 ") == 400.0
+    assert _value(rows, "B=4 / B=1 decode tok/s", "tiny") == 2.0
+    assert _value(rows, "batched B=1 / solo decode_step tok/s", "tiny") == 1.25
+    assert _value(rows, "short-request TTFT under load / idle, max_batch 1", "256") == 50.0
+    assert _value(rows, "short-request TTFT under load / idle, max_batch 8", "256") == 2.0
+    assert _value(rows, "per-token p99, 8 streams / 1", "tiny") == 2.5
     assert _value(rows, "main TTFT after a sub-agent / alone, 1 sessions", "4120 ") == 40.0
 
 

@@ -41,6 +41,7 @@ same order as slots are taken.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from ds4jax.continuation.decide import cold, match_disk, match_fork, match_live, match_tool
@@ -155,14 +156,18 @@ def _victim_order(s: Session) -> tuple[bool, int]:
     return (s.bindings.tool is not None, s.used)
 
 
-def choose_slot(pool: Pool, avoid: int | None = None) -> int:
+def choose_slot(
+    pool: Pool, avoid: int | None = None, busy: frozenset[int] = frozenset()
+) -> int | None:
     """An empty slot (the lowest), else the first victim (`_victim_order`) other than
-    `avoid` (a fork's owner), else `avoid` itself (a pool of one)."""
-    for s in pool.sessions:
+    `avoid` (a fork's owner), else `avoid` itself (a pool of one); never a `busy` slot (one
+    serving a request right now): None when every slot is."""
+    free = [s for s in pool.sessions if s.slot not in busy]
+    for s in free:
         if s.live is None:
             return s.slot
-    others = [s for s in pool.sessions if s.slot != avoid] or pool.sessions
-    return min(others, key=_victim_order).slot
+    others = [s for s in free if s.slot != avoid] or free
+    return min(others, key=_victim_order).slot if others else None
 
 
 def _rank(d: Decision, hint_match: bool, used: int) -> tuple:
@@ -170,9 +175,17 @@ def _rank(d: Decision, hint_match: bool, used: int) -> tuple:
 
 
 def route(
-    req: RequestView, pool: Pool, store: KVStore, hint: str | None = None
-) -> Route | Rejection:
-    for s in pool.sessions:
+    req: RequestView,
+    pool: Pool,
+    store: KVStore,
+    hint: str | None = None,
+    busy: frozenset[int] = frozenset(),
+) -> Route | Rejection | None:
+    """The route of a request (module docstring), or None when it has to wait: the slot
+    it would take is serving another request (`busy`), whose live frontier is still moving;
+    a busy slot's fork points can be forked from all the same."""
+    idle = [s for s in pool.sessions if s.slot not in busy]
+    for s in idle:
         hit = match_tool(req, s.live, s.bindings)
         if hit is not None:
             return Route(s.slot, hit)
@@ -180,7 +193,7 @@ def route(
         return Rejection(409, LIVE_GONE_MESSAGE)
 
     best: tuple[tuple, Session, Decision] | None = None
-    for s in pool.sessions:
+    for s in idle:
         d = match_live(req, s.live, s.bindings)
         if d is not None:
             rank = _rank(d, hint is not None and s.hint == hint, s.used)
@@ -198,21 +211,27 @@ def route(
             if fork is None or rank > fork[0]:
                 fork = (rank, f, d)
     if fork is not None:
-        slot = choose_slot(pool, avoid=fork[1].owner)
+        slot = choose_slot(pool, avoid=fork[1].owner, busy=busy)
+        if slot is None:
+            return None
         return Route(slot, fork[2], fork=fork[1], displaced=pool.sessions[slot].live)
 
-    slot = choose_slot(pool)
+    slot = choose_slot(pool, busy=busy)
+    if slot is None:
+        return None
     decision = match_disk(req, store) or cold(req)
     return Route(slot, decision, displaced=pool.sessions[slot].live)
 
 
-def evictions(pool: Pool, keep: int) -> tuple[list[ForkPoint], list[int]]:
+def evictions(pool: Pool, keep: int | Collection[int]) -> tuple[list[ForkPoint], list[int]]:
     """What to drop so the retained states fit the budget: fork points least recently used
-    first, then the least recently used sessions other than `keep` (the one just served).
+    first, then the least recently used sessions other than `keep` (the one just served, and
+    those serving requests).
     Dropping a fork point whose state a live frontier still holds frees nothing, so it is
     kept. Returns (fork points, slots); nothing is changed here."""
     if pool.budget is None:
         return [], []
+    keep = {keep} if isinstance(keep, int) else set(keep)
     lives = {s.slot: s.live for s in pool.sessions}
     forks = list(pool.forks)
     drop_forks: list[ForkPoint] = []
@@ -232,7 +251,7 @@ def evictions(pool: Pool, keep: int) -> tuple[list[ForkPoint], list[int]]:
                 drop_forks.append(f)
 
     shed_forks()
-    idle = sorted((s for s in pool.sessions if s.slot != keep and s.live is not None),
+    idle = sorted((s for s in pool.sessions if s.slot not in keep and s.live is not None),
                   key=_victim_order)  # fmt: skip
     for s in idle:
         if size(forks) <= pool.budget:

@@ -44,8 +44,9 @@ def bucket(n: int, sizes: tuple[int, ...] = BATCH_SIZES) -> int:
 
 
 def empty_batch(cfg: Config, max_len: int, rows: int) -> DecodeState:
-    """`rows` empty states. Every leaf is strongly typed and committed to its device, as
-    `step` returns them, so the first step compiles the same program as every later one."""
+    """`rows` empty states. Every leaf is strongly typed and committed to the default
+    device, as `step` returns them, so the first step compiles the same program as every
+    later one (on a mesh, `jax.device_put` the batch onto the mesh's sharding first)."""
     one = init_state(cfg, max_len)
     batch = jax.tree.map(
         lambda x: jnp.array(jnp.broadcast_to(x, (rows, *x.shape)), dtype=x.dtype), one

@@ -46,7 +46,7 @@ SCRIPT = textwrap.dedent(
     from ds4jax.model import batch as mb
 
     def batch_of(p, place):
-        b = mb.empty_batch(cfg, 64, 2)
+        b = place(mb.empty_batch(cfg, 64, 2))
         for row, n in enumerate((20, 33)):
             s, _ = prefill(p, place(init_state(cfg, 64)), toks[:n], cfg, chunk_sizes=(16,))
             b = mb.insert(b, jnp.int32(row), s)

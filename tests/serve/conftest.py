@@ -125,8 +125,9 @@ def wait_idle(worker: EngineWorker, timeout: float = 30.0) -> None:
 
 
 class Gate:
-    """While closed, the engine blocks before running each job, so requests queue up behind
-    it; `runs` records the last user text of each job the engine ran, in order."""
+    """While closed, the engine blocks before taking each job (`Engine.submit`), so requests
+    queue up behind it; `runs` records the last user text of each job the engine took, in
+    order."""
 
     def __init__(self) -> None:
         self.opened = threading.Event()
@@ -142,15 +143,15 @@ class Gate:
 @pytest.fixture
 def gate(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
     g = Gate()
-    run = engine.run
+    submit = engine.submit
 
     def gated(prepared: Any, **kwargs: Any) -> Any:
         assert g.opened.wait(30), "the test never opened the gate"
         last = prepared.conversation.messages[-1]
         g.runs.append(" ".join(b.text for b in last.blocks) or last.content)
-        return run(prepared, **kwargs)
+        return submit(prepared, **kwargs)
 
-    monkeypatch.setattr(engine, "run", gated)
+    monkeypatch.setattr(engine, "submit", gated)
     yield g
     g.open()
 

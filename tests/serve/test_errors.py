@@ -361,7 +361,7 @@ async def test_failure_mid_stream_ends_with_an_error_event(
     def boom(*_args: Any, **_kw: Any) -> Any:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(engine, "_decode", boom)  # fails after the decision and the prefill
+    monkeypatch.setattr(engine, "_decode_step", boom)  # fails after the decision and the prefill
     resp = await raw.post("/v1/messages", json=body(stream=True))
     assert resp.status_code == 200
     events = sse_events(resp.text)

@@ -8,6 +8,7 @@ place a disconnect exactly (the race it pins is timing-dependent over a socket).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections.abc import Iterator
@@ -127,6 +128,32 @@ def test_disconnect_mid_stream_then_the_server_goes_on(
         model=MODEL, max_tokens=2, messages=user("again"), thinking=NO_THINK
     )
     assert msg.type == "message"
+
+
+def test_two_concurrent_streams_interleave(served: ServeProcess) -> None:
+    """`ds4jax serve` decodes concurrent requests in one batch: each client sees its tokens
+    arrive while the other is still generating."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def stream(text: str) -> list[float]:
+        stamps = []
+        with anthropic.Anthropic(base_url=served.url, api_key=SERVE_KEY, max_retries=0) as c:
+            with c.messages.stream(
+                model=MODEL, max_tokens=48, messages=user(text), thinking=NO_THINK
+            ) as s:
+                for event in s:
+                    if event.type == "content_block_delta":
+                        stamps.append(time.monotonic())
+        return stamps
+
+    with ThreadPoolExecutor(2) as pool:
+        a, b = pool.map(stream, ["tell a story", "write a poem"])
+    assert len(a) > 10 and len(b) > 10
+    assert a[0] < b[-1] and b[0] < a[-1]  # the two streams overlap in time
+    merged = sorted([(t, "a") for t in a] + [(t, "b") for t in b])
+    switches = sum(x[1] != y[1] for x, y in itertools.pairwise(merged))
+    assert switches >= 4, switches  # their deltas interleave, not one stream then the other
+    assert "batches of up to 8" in served.stderr
 
 
 def test_sigterm_stops_the_server_cleanly(served: ServeProcess) -> None:

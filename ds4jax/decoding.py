@@ -1,0 +1,250 @@
+"""One request's decoding, token by token, as a state machine the batched step can drive.
+
+The engine steps every active request together (`model.batch.step`); what each row does
+between steps is here: before a step, `plan` says which token to force (tool_choice, a
+spent thinking budget, teacher forcing) or that the row samples, or that it is finished
+(cancelled, max_tokens, a full context); after the step, `accept` takes the token the row
+evaluated — or sampled EOS, which is never evaluated — feeds the streaming DSML parser and
+the stop sequences, and may finish the row. `finish` turns the row's final state into its
+session's live frontier and bindings and returns the `Result`.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ds4jax.chat import specials
+from ds4jax.chat.dsml_parse import (
+    DSMLStreamParser,
+    Event,
+    ParsedMessage,
+    ToolUseStart,
+    collect_events,
+    find_stop,
+    stop_safe_len,
+)
+from ds4jax.chat.segments import Segment, normalize, template
+from ds4jax.continuation.tool_memory import new_tool_id
+from ds4jax.continuation.types import CacheSource, ThinkingBinding, ToolBinding
+
+if TYPE_CHECKING:
+    from ds4jax.engine import Engine, Prepared
+
+SAMPLE = -1  # `plan`: no forced token, the row samples
+
+
+@dataclass(frozen=True)
+class ToolCallStarted:
+    """A tool call opened in the stream, with the id the turn will be remembered under."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass
+class Result:
+    source: CacheSource
+    cached: int  # tokens reused from a stored state
+    prefilled: int  # tokens evaluated for the prompt
+    output_tokens: int
+    finish: str  # end_turn | max_tokens | stop_sequence | tool_use | cancelled
+    message: ParsedMessage
+    tool_ids: list[str]
+    stop_sequence: str | None = None
+    raw_text: str = ""
+    prefill_seconds: float = 0.0
+    session: int = 0  # the slot that served it
+    forked_from: int | None = None  # the slot whose fork point it continued
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.cached + self.prefilled
+
+
+def _tool_ids_complete(message: ParsedMessage) -> bool:
+    calls = message.tool_calls
+    return bool(calls) and message.error is None and all(c.complete for c in calls)
+
+
+class RowDecoder:
+    def __init__(
+        self,
+        engine: Engine,
+        prepared: Prepared,
+        session: Any,
+        tokens: list[int],
+        segments: tuple[Segment, ...],
+        emit: Callable[[Event | ToolCallStarted], None],
+        cancel: Any,
+        forced: list[int] | None,
+    ) -> None:
+        self.engine, self.prepared, self.session = engine, prepared, session
+        self.tokens, self.segments = tokens, segments
+        self.emit, self.cancel, self.forced = emit, cancel, forced
+        tok = engine.tokenizer
+        self.parser = DSMLStreamParser(thinking=prepared.thinking)
+        self.events: list[Event] = []
+        self.tool_ids: list[str] = []
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.raw = ""
+        self.fed = 0  # chars of `raw` given to the parser
+        self.generated: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_hit: str | None = None
+        self.think_end = tok.special_id(specials.THINK_END)
+        self.in_thinking = prepared.thinking
+        self.queue: list[int] = []  # tokens forced by tool_choice / disable_parallel_tool_use
+        self.forced_at = 0
+        self.pending_force = prepared.force_after_think
+        self.closed_single = False
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def _push(self, events: list[Event]) -> None:
+        for ev in events:
+            self.events.append(ev)
+            if isinstance(ev, ToolUseStart):
+                tid = new_tool_id([*self.tool_ids, *self.engine.live_tool_ids()])
+                self.tool_ids.append(tid)
+                self.emit(ToolCallStarted(ev.index, tid, ev.name))
+            self.emit(ev)
+
+    def plan(self) -> int | None:
+        """Before a step: a forced token id, `SAMPLE`, or None when the row is finished."""
+        p, tok = self.prepared, self.engine.tokenizer
+        if len(self.generated) >= p.max_tokens:
+            self.finish_reason = "max_tokens"
+            return None
+        if self.cancel is not None and self.cancel.is_set():
+            self.finish_reason = "cancelled"
+            return None
+        if len(self.tokens) >= self.engine.max_len:
+            self.finish_reason = "max_tokens"
+            return None
+        if self.pending_force is not None and not self.in_thinking:
+            self.queue = tok.encode_segments(template(self.pending_force))
+            self.pending_force = None
+        if self.queue:  # server-forced tokens (tool_choice) come first
+            return self.queue.pop(0)
+        if (
+            self.in_thinking
+            and p.thinking_budget is not None
+            and len(self.generated) >= p.thinking_budget
+        ):
+            return self.think_end  # the budget is spent: close the reasoning
+        if self.forced is not None:  # teacher forcing (tests) stands in for sampling only
+            if self.forced_at >= len(self.forced):
+                self.finish_reason = "end_turn"
+                return None
+            self.forced_at += 1
+            return int(self.forced[self.forced_at - 1])
+        return SAMPLE
+
+    def accept(self, t: int) -> None:
+        """After a step: the token this row evaluated (or sampled EOS, not evaluated)."""
+        p, tok = self.prepared, self.engine.tokenizer
+        if t == tok.eos_id:
+            self.finish_reason = "end_turn"  # never evaluated: the next turn's suffix has it
+            return
+        self.generated.append(t)
+        self.tokens.append(t)
+        if t == self.think_end:
+            self.in_thinking = False
+        self.raw += self.utf8.decode(tok.token_bytes(t))
+        stops = p.stop_sequences
+        hit = find_stop(self.raw, stops) if stops else None
+        if hit is not None:
+            at, length = hit
+            self._push(self.parser.feed(self.raw[self.fed : at]))
+            self.fed = at
+            self.stop_hit = self.raw[at : at + length]
+            self.finish_reason = "stop_sequence"
+            return
+        safe = stop_safe_len(self.raw, stops) if stops else len(self.raw)
+        if safe > self.fed:
+            self._push(self.parser.feed(self.raw[self.fed : safe]))
+            self.fed = safe
+        if p.has_tools and self.parser.raw_dsml is not None:
+            self.finish_reason = "tool_use"
+            return
+        if p.single_tool_call and not self.closed_single and not self.queue:
+            after = self.raw.rfind(specials.THINK_END) + 1 if p.thinking else 0
+            if "</" + specials.DSML + "invoke>" in self.raw[after:]:
+                close = "\n</" + specials.DSML + "tool_calls>"
+                self.queue = tok.encode_segments(template(close))
+                self.closed_single = True
+
+    def finish(self, state: Any) -> Result:
+        """The row's final state (holding `self.tokens`) becomes its session's live frontier;
+        returns the request's result (the prompt fields are the engine's to fill)."""
+        from ds4jax.continuation.types import LiveFrontier
+
+        engine, p, finish = self.engine, self.prepared, self.finish_reason or "max_tokens"
+        raw = self.raw
+        if finish != "stop_sequence":
+            raw += self.utf8.decode(b"", final=True)
+            if self.fed < len(raw):
+                self._push(self.parser.feed(raw[self.fed :]))
+        self.raw = raw
+        self._push(self.parser.finish())
+
+        message = collect_events(self.events, thinking=p.thinking)
+        message.raw_dsml = self.parser.raw_dsml
+        message.error = self.parser.error
+        if finish not in ("stop_sequence", "cancelled", "max_tokens") and _tool_ids_complete(
+            message
+        ):
+            finish = "tool_use"
+
+        live = LiveFrontier(
+            state,
+            tuple(self.tokens),
+            normalize([*self.segments, *engine._segments_of(self.generated)]),
+        )
+        session = self.session
+        with engine._state_lock:
+            session.live = live
+            session.bindings.tool = None
+            session.bindings.thinking = None
+            if finish == "tool_use" and self.parser.raw_dsml is not None:
+                engine.tool_memory.remember(self.tool_ids, self.parser.raw_dsml)
+                session.bindings.tool = ToolBinding(frozenset(self.tool_ids), live.pos)
+            elif (
+                finish == "end_turn"
+                and p.thinking
+                and not p.has_tools
+                and not message.tool_calls
+                and message.reasoning is not None
+                and not self.in_thinking
+            ):
+                session.bindings.thinking = ThinkingBinding(
+                    visible_transcript(p.view.segments, message.content), live.pos
+                )
+        sampled_eos = finish == "end_turn" and self.forced is None
+        return Result(
+            source=CacheSource.COLD,
+            cached=0,
+            prefilled=0,
+            output_tokens=len(self.generated) + (1 if sampled_eos else 0),
+            finish=finish,
+            message=message,
+            tool_ids=self.tool_ids if message.tool_calls else [],
+            stop_sequence=self.stop_hit,
+            raw_text=raw,
+        )
+
+
+def visible_transcript(prompt: tuple[Segment, ...], content: str) -> tuple[Segment, ...]:
+    """What the next render shows for this turn once its reasoning is dropped: the prompt
+    with its closing `<think>` turned into `</think>`, then the content. The EOS that
+    follows is deliberately left out, so the next turn's suffix starts with it."""
+    body = list(prompt)
+    if body and body[-1] == Segment(specials.THINK_START, True):
+        body.pop()
+    return normalize([*body, Segment(specials.THINK_END, True), Segment(content)])

@@ -1,0 +1,217 @@
+"""Continuous batching on the real engine (issue 14): requests decode together, a prefill
+interleaves chunk by chunk with the others' tokens, and every request's output and final
+frontier are those of the same request served alone.
+
+The engine is the tiny config in exact math with the session pool and batches of up to 4.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ds4jax.chat.anthropic import parse_messages_request
+from ds4jax.continuation.types import CacheSource
+from ds4jax.engine import Engine, SamplingParams, Ticket
+from tests.continuation.conftest import TOOLS, forced, tool_call_text
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def batch_engine(_engine: Engine) -> Engine:
+    return Engine(_engine.cfg, _engine.params, _engine.tokenizer, max_len=_engine.max_len,
+                  chunk_sizes=_engine.chunk_sizes, sessions=6, fork_points=True,
+                  max_batch=4)  # fmt: skip
+
+
+def fresh(engine: Engine) -> Engine:
+    engine.pool = type(engine.pool).create(len(engine.pool.sessions), **engine._pool_args)
+    engine.tool_memory = type(engine.tool_memory)()
+    return engine
+
+
+def prepared(engine: Engine, text: str, max_tokens: int, stops: list[str] | None = None,
+             sampling: SamplingParams = GREEDY, tools: bool = False):  # fmt: skip
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": text}],
+                            "thinking": {"type": "disabled"}}  # fmt: skip
+    if stops:
+        body["stop_sequences"] = stops
+    if tools:
+        body["tools"] = TOOLS
+    return engine.prepare_request(parse_messages_request(body), max_tokens=max_tokens,
+                                  sampling=sampling)  # fmt: skip
+
+
+def active_rows(engine: Engine) -> int:
+    return sum(t is not None for t in engine._rows)
+
+
+def test_requests_decode_together_and_equal_their_solo_runs(batch_engine) -> None:
+    engine = fresh(batch_engine)
+    texts = ["Name three rivers.", "Count to five.", "What is JAX?"]
+    solo = []
+    for t in texts:
+        fresh(engine)
+        solo.append(engine.run(prepared(engine, t, 10)))
+    fresh(engine)
+    tickets = [engine.submit(prepared(engine, t, 10)) for t in texts]
+    most = 0
+    while engine.busy:
+        engine.tick()
+        most = max(most, active_rows(engine))
+    assert most == 3  # all three stepped together
+    for s, t in zip(solo, tickets, strict=True):
+        assert t.error is None and t.result.raw_text == s.raw_text
+        assert t.result.output_tokens == s.output_tokens and t.result.finish == s.finish
+    lives = [engine.pool.sessions[t.result.session].live for t in tickets]
+    assert len({t.result.session for t in tickets}) == 3
+    for live in lives:  # every row's final state equals a cold prefill of its tokens
+        cold = engine.logits_for(live.tokens)
+        assert np.abs(cold - np.asarray(live.state.logits)).max() <= 1e-5
+
+
+def test_a_long_prefill_delays_the_others_by_one_chunk_per_step(batch_engine) -> None:
+    engine = fresh(batch_engine)
+    short = engine.submit(prepared(engine, "Tell a story.", 40))
+    while active_rows(engine) == 0:  # the short request is decoding
+        engine.tick()
+    long_text = " ".join(f"Rule {i}: keep the tree tidy." for i in range(60))
+    long = engine.submit(prepared(engine, long_text, 2))
+    chunks = 0
+    while short.decoder is not None and not short.finished.is_set() and long.decoder is None:
+        before = len(short.decoder.generated)
+        engine.tick()
+        chunks += engine._prefilling is not None or long.decoder is not None
+        assert len(short.decoder.generated) == before + 1 or short.finished.is_set()
+    assert chunks >= 5  # the long prompt really took several steps
+    while engine.busy:
+        engine.tick()
+    assert short.error is None and long.error is None
+
+
+def test_a_cancelled_row_leaves_and_the_others_go_on(batch_engine) -> None:
+    engine = fresh(batch_engine)
+    fresh(engine)
+    alone = engine.run(prepared(engine, "Keep talking.", 12))
+    fresh(engine)
+    cancel = threading.Event()
+    gone = engine.submit(prepared(engine, "Say many words.", 12), cancel=cancel)
+    stays = engine.submit(prepared(engine, "Keep talking.", 12))
+    ticks = 0
+    while engine.busy:
+        engine.tick()
+        ticks += 1
+        if ticks == 6:
+            cancel.set()
+    assert gone.result.finish == "cancelled" and gone.result.output_tokens < 12
+    assert stays.result.raw_text == alone.raw_text
+    live = engine.pool.sessions[gone.result.session].live  # consistent where it stopped
+    assert np.abs(engine.logits_for(live.tokens) - np.asarray(live.state.logits)).max() <= 1e-5
+
+
+def test_a_tool_loop_continues_live_after_a_batched_decode(batch_engine) -> None:
+    engine = fresh(batch_engine)
+    call = forced(engine, tool_call_text("ls"))
+    body = {"system": "You are an agent.", "tools": TOOLS,
+            "messages": [{"role": "user", "content": "list"}]}  # fmt: skip
+
+    def turn(other: bool) -> tuple[Any, Any]:
+        fresh(engine)
+        req = engine.prepare_request(parse_messages_request(body), max_tokens=200)
+        first = engine.submit(req, forced_tokens=call)
+        if other:  # a chat decoding beside it the whole time
+            engine.submit(prepared(engine, "Chat with me.", 60))
+        while not first.finished.is_set():
+            engine.tick()
+        tid = first.result.tool_ids[0]
+        follow = copy.deepcopy(body)
+        follow["messages"] += [
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "I should run it."},
+                {"type": "tool_use", "id": tid, "name": "bash", "input": {"command": "ls"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": tid, "content": "a.py"}]},
+        ]  # fmt: skip
+        res = engine.run(engine.prepare_request(parse_messages_request(follow), max_tokens=6,
+                                                sampling=GREEDY))  # fmt: skip
+        live = engine.pool.sessions[res.session].live
+        while engine.busy:
+            engine.tick()
+        return res, live
+
+    solo, solo_live = turn(other=False)
+    batched, batched_live = turn(other=True)
+    assert solo.source is batched.source is CacheSource.LIVE_TOOL
+    assert batched.raw_text == solo.raw_text and batched_live.tokens == solo_live.tokens
+    diff = np.asarray(batched_live.state.logits) - np.asarray(solo_live.state.logits)
+    assert np.abs(diff).max() <= 1e-5
+
+
+PROMPTS = ["Name a colour.", "Write a haiku.", "Describe JAX.", "List some primes.",
+           "Say hello.", "Explain batching."]  # fmt: skip
+
+
+@st.composite
+def arrivals(draw):
+    n = draw(st.integers(2, 5))
+    reqs = []
+    for i in range(n):
+        reqs.append({
+            "text": PROMPTS[i],
+            "max_tokens": draw(st.integers(1, 10)),
+            "arrive": draw(st.integers(0, 6)),
+            "cancel": draw(st.one_of(st.none(), st.integers(1, 8))),
+            "stop_at": draw(st.one_of(st.none(), st.integers(1, 6))),
+        })  # fmt: skip
+    return reqs
+
+
+@settings(max_examples=5, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                 HealthCheck.too_slow])  # fmt: skip
+@given(reqs=arrivals())
+def test_random_arrivals_cancellations_and_stops_equal_solo_runs(batch_engine, reqs) -> None:
+    engine = batch_engine
+    solo_of: list[Any] = []
+    for r in reqs:  # alone: to learn a stop sequence inside the output, then the real run
+        fresh(engine)
+        text = engine.run(prepared(engine, r["text"], r["max_tokens"])).raw_text
+        k = r["stop_at"]
+        r["stops"] = [text[k : k + 2]] if k is not None and len(text) >= k + 3 else []
+        fresh(engine)
+        solo = engine.run(prepared(engine, r["text"], r["max_tokens"], r["stops"]))
+        solo_of.append((solo, engine.pool.sessions[solo.session].live.tokens))
+    fresh(engine)
+    tickets: dict[int, Ticket] = {}
+    cancels: dict[int, threading.Event] = {}
+    tick = 0
+    while len(tickets) < len(reqs) or engine.busy:
+        for i, r in enumerate(reqs):
+            if i not in tickets and r["arrive"] <= tick:
+                cancels[i] = threading.Event()
+                tickets[i] = engine.submit(
+                    prepared(engine, r["text"], r["max_tokens"], r["stops"]), cancel=cancels[i]
+                )
+            if i in tickets and r["cancel"] is not None and tick >= r["arrive"] + r["cancel"]:
+                cancels[i].set()
+        engine.tick()
+        tick += 1
+        assert active_rows(engine) <= 4
+    for i in range(len(reqs)):
+        got, (solo, solo_tokens) = tickets[i].result, solo_of[i]
+        assert tickets[i].error is None
+        live = engine.pool.sessions[got.session].live
+        if got.finish == "cancelled":
+            assert solo.raw_text.startswith(got.raw_text)
+            assert solo_tokens[: len(live.tokens)] == live.tokens
+        else:
+            assert (got.raw_text, got.finish, got.stop_sequence) == (
+                solo.raw_text, solo.finish, solo.stop_sequence)  # fmt: skip
+            assert live.tokens == solo_tokens
