@@ -191,7 +191,6 @@ class Engine:
         self._rows: list[Ticket | None] = [None] * self.max_batch
         self.waiting: deque[Ticket] = deque()
         self._prefilling: Ticket | None = None
-        self._work = threading.Event()  # set while there is something to step
         self._lock = threading.Lock()  # one request at a time
         self._state_lock = threading.Lock()  # guards live + bindings for readers
         self._special_ids = {tokenizer.special_id(s) for s in specials.TEMPLATE_SPECIALS}
@@ -323,9 +322,9 @@ class Engine:
             return route(prepared.view, self.pool, self.store, prepared.hint,
                          busy=self._busy_slots())  # fmt: skip
 
-    def decide(self, prepared: Prepared) -> Decision | Rejection:
+    def decide(self, prepared: Prepared) -> Decision | Rejection | None:
         r = self.route(prepared)
-        return r if isinstance(r, Rejection) else r.decision
+        return r.decision if isinstance(r, Route) else r
 
     def submit(
         self,
@@ -345,25 +344,15 @@ class Engine:
                         on_done)  # fmt: skip
         with self._state_lock:
             self.waiting.append(ticket)
-        self._work.set()
         return ticket
 
-    def run(
-        self,
-        prepared: Prepared,
-        *,
-        on_event: Callable[[Event | ToolCallStarted], None] | None = None,
-        progress: Callable[[int, int], None] | None = None,
-        cancel: threading.Event | None = None,
-        on_decision: Callable[[Decision, int], None] | None = None,
-        forced_tokens: Sequence[int] | None = None,
-    ) -> Result:
+    def run(self, prepared: Prepared, **hooks: Any) -> Result:
         """Serve one request to the end, stepping the scheduler (and so every other active
-        request) meanwhile. `on_decision(decision, prefill_tokens)` fires once the path is
-        chosen, before prefill. `forced_tokens` replaces sampling by these tokens (teacher
-        forcing, for tests only: the model still evaluates every one of them)."""
-        ticket = self.submit(prepared, on_event=on_event, progress=progress, cancel=cancel,
-                             on_decision=on_decision, forced_tokens=forced_tokens)  # fmt: skip
+        request) meanwhile; `hooks` are `submit`'s keywords. `on_decision(decision,
+        prefill_tokens)` fires once the path is chosen, before prefill. `forced_tokens`
+        replaces sampling by these tokens (teacher forcing, for tests only: the model still
+        evaluates every one of them)."""
+        ticket = self.submit(prepared, **hooks)
         while not ticket.finished.is_set():
             self.tick()
         if ticket.error is not None:
@@ -382,16 +371,12 @@ class Engine:
         row. So a long prefill delays the others' tokens by one chunk per step, and requests
         join and leave at step boundaries."""
         with self._lock:
-            try:
-                if self._prefilling is None:
-                    self._admit()
-                if self._prefilling is not None:
-                    self._prefill_chunk(self._prefilling)
-                if any(self._rows):
-                    self._decode_step()
-            finally:
-                if not self.busy:
-                    self._work.clear()
+            if self._prefilling is None:
+                self._admit()
+            if self._prefilling is not None:
+                self._prefill_chunk(self._prefilling)
+            if any(self._rows):
+                self._decode_step()
 
     def abort(self, err: Exception) -> None:
         """Fail every request in the scheduler (after a step raised): their rows and the

@@ -48,6 +48,7 @@ class Job:
 class EngineWorker:
     def __init__(self, engine: Engine, max_queue: int = 16) -> None:
         self.engine = engine
+        self.max_queue = max_queue
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._loop, name="ds4jax-engine", daemon=True)
         self._inflight: list[Job] = []  # handed to the engine, not finished
@@ -66,7 +67,14 @@ class EngineWorker:
         """Jobs queued, prefilling or decoding."""
         return self._jobs.qsize() + len(self._inflight)
 
+    @property
+    def waiting(self) -> int:
+        """Requests not started yet: queued here, or handed over and waiting for a row."""
+        return self._jobs.qsize() + len(self.engine.waiting)
+
     def submit(self, job: Job) -> None:
+        if self.waiting >= self.max_queue:
+            raise Overloaded("the server is busy; retry later")
         try:
             self._jobs.put_nowait(job)
         except queue.Full as err:

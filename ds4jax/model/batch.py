@@ -81,7 +81,7 @@ def forward_rows(params: Params, rows: DecodeState, tokens: jax.Array, cfg: Conf
 
         return jax.vmap(one)(ls, y, n)
 
-    X, layers = run_layers(params, cfg, tokens, rows.layers, attend)
+    X, layers = run_layers(params, cfg, tokens, rows.layers, attend, rows=True)
     logits = logits_of(params, cfg, X)
     return DecodeState(layers=tuple(layers), pos=n + 1, logits=logits.astype(jnp.float32))
 

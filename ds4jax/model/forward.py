@@ -67,11 +67,13 @@ def run_layers(
     tokens: jax.Array,
     layer_states: Sequence[Any],
     attend: Callable[[int, Params, Any, jax.Array], tuple[jax.Array, Any]],
+    rows: bool = False,
 ) -> tuple[jax.Array, list[Any]]:
     """Embedding and every layer for tokens [T]: hyper-connections, attention through
     `attend(layer, attn params, layer state, normed input [T, D])` — one sequence's chunk
-    here, one token of each of T sessions in `model.batch` — and the MoE, which sees the T
-    tokens together either way. Returns (hyper-connection streams [T, hc, D], new states)."""
+    here, one token of each of T sessions in `model.batch` (`rows`) — and the MoE, which
+    sees the T tokens together either way. Returns (hyper-connection streams [T, hc, D],
+    new states)."""
     T = tokens.shape[0]
     x = params["embed"][tokens].astype(jnp.float32)
     X = jnp.broadcast_to(x[:, None, :], (T, cfg.hc_mult, cfg.hidden_size))
@@ -81,7 +83,8 @@ def run_layers(
         a, ls = attend(i, lp["attn"], ls, rmsw(y, lp["attn_norm"], cfg.rms_eps))
         X = hc_post(a, X, post, comb)
         y, post, comb = hc_pre(cfg, X, lp["hc_ffn_fn"], lp["hc_ffn_scale"], lp["hc_ffn_base"])
-        f = moe(cfg, lp["ffn"], rmsw(y, lp["ffn_norm"], cfg.rms_eps), tokens, cfg.hash_layers[i])
+        f = moe(cfg, lp["ffn"], rmsw(y, lp["ffn_norm"], cfg.rms_eps), tokens,
+                cfg.hash_layers[i], rows)  # fmt: skip
         X = hc_post(f, X, post, comb)
         layers.append(ls)
     return X, layers

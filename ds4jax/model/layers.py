@@ -275,7 +275,40 @@ def _swiglu(cfg: Config, g: jax.Array, u: jax.Array) -> jax.Array:
     return jax.nn.silu(jnp.minimum(g, lim)) * jnp.clip(u, -lim, lim)
 
 
-def moe(cfg: Config, p: Params, x: jax.Array, tokens: jax.Array, hashed: bool) -> jax.Array:
+#: up to this many (token, expert) pairs, a step of several sessions (one token each) reads
+#: each selected expert once (`_moe_selected_once`)
+BATCHED_DECODE_PAIRS = 64
+
+
+def _moe_selected_once(cfg: Config, p: Params, x: jax.Array, sel: jax.Array, w: jax.Array):
+    """The routed experts of a batched decode step (T tokens of T sessions): the selected
+    (token, expert) pairs sorted by expert, and each distinct expert's weights read once —
+    a repeated one is skipped by `lax.cond` — and applied to every token, weighted by that
+    token's routing weight (0 when it did not pick it)."""
+    T, k = sel.shape
+    E = cfg.num_experts
+    dense_w = jnp.zeros((T, E), x.dtype).at[jnp.arange(T)[:, None], sel].add(w)
+    experts = jnp.sort(sel.reshape(-1))
+    first = jnp.concatenate([jnp.array([True]), experts[1:] != experts[:-1]])
+
+    def add(e: jax.Array, acc: jax.Array) -> jax.Array:
+        w1 = jax.lax.dynamic_index_in_dim(p["w1"], e, 0, keepdims=False)
+        w3 = jax.lax.dynamic_index_in_dim(p["w3"], e, 0, keepdims=False)
+        w2 = jax.lax.dynamic_index_in_dim(p["w2"], e, 0, keepdims=False)
+        h = _swiglu(cfg, linear(x, w1), linear(x, w3)) * dense_w[:, e][:, None]
+        return acc + linear(h, w2)
+
+    acc = jnp.zeros_like(x)
+    for j in range(T * k):
+        acc = jax.lax.cond(first[j], add, lambda _e, a: a, experts[j], acc)
+    return acc
+
+
+def moe(
+    cfg: Config, p: Params, x: jax.Array, tokens: jax.Array, hashed: bool, rows: bool = False
+) -> jax.Array:
+    """`rows`: the T tokens are one each of T sessions (a batched decode step), not a
+    chunk of one sequence."""
     T = x.shape[0]
     k, E = cfg.num_experts_per_tok, cfg.num_experts
     prob = jnp.sqrt(jax.nn.softplus(linear(x, p["gate"])))  # [T, E]
@@ -285,7 +318,9 @@ def moe(cfg: Config, p: Params, x: jax.Array, tokens: jax.Array, hashed: bool) -
         _, sel = jax.lax.top_k(prob + p["gate_bias"], k)
     w = jnp.take_along_axis(prob, sel, axis=-1)
     w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
-    if T * k <= E:  # few tokens (decode): read only the selected experts' weights
+    if rows and 1 < T and T * k <= BATCHED_DECODE_PAIRS:
+        routed = _moe_selected_once(cfg, p, x, sel, w)
+    elif T * k <= E:  # few tokens (decode): read only the selected experts' weights
         routed = jnp.zeros_like(x)
         for t in range(T):
             acc = jnp.zeros_like(x[t])
