@@ -1,17 +1,20 @@
 """The engine: the single owner of the params and of every retained state.
 
-One request at a time (`run` holds a lock; the server gives it one worker thread):
-validate (`prepare`) → route (`continuation.pool.route`: a session and a decision) →
-prefill the suffix in chunks → retain the prompt-end state as a fork point → decode with
-sampling and stop conditions → events through the streaming DSML parser → update that
-session's bindings → drop what the state budget no longer holds (`pool.evictions`, saved to
-disk first when a store is configured). A live frontier is replaced, never mutated, and only
-after the step that produced it finished; a cancelled or failed request leaves a consistent
-frontier (the last evaluated token). Fork points hold prompt ends only, never a state that
-would paper over a tool-id mismatch.
+A request: validate (`prepare`, on the client's thread) → `submit` → the scheduler
+(`tick`, one thread at a time under a lock; the server gives it one worker thread) routes
+it (`continuation.pool.route`: a session and a decision) → prefills the suffix one chunk
+per step → retains the prompt-end state as a fork point → decodes it in a row of the
+batched step (`model.batch`) beside every other active request, with sampling, forcing and
+stop conditions per row (`decoding.RowDecoder`) and events through the streaming DSML
+parser → updates that session's frontier and bindings → drops what the state budget no
+longer holds (`pool.evictions`, saved to disk first when a store is configured). A live
+frontier is replaced, never mutated, and only after the step that produced it finished; a
+cancelled or failed request leaves a consistent frontier (the last evaluated token). Fork
+points hold prompt ends only, never a state that would paper over a tool-id mismatch.
 
 `Engine(...)` alone is the single-session engine of the original rules (one session, no
-fork points); `ds4jax serve` runs it with `--sessions` (default 4) and fork points on.
+fork points, one request at a time); `ds4jax serve` runs it with `--sessions` (default 4),
+fork points on and `--max-batch` (default 8).
 """
 
 from __future__ import annotations
@@ -191,7 +194,7 @@ class Engine:
         self._rows: list[Ticket | None] = [None] * self.max_batch
         self.waiting: deque[Ticket] = deque()
         self._prefilling: Ticket | None = None
-        self._lock = threading.Lock()  # one request at a time
+        self._lock = threading.Lock()  # one scheduler step at a time
         self._state_lock = threading.Lock()  # guards live + bindings for readers
         self._special_ids = {tokenizer.special_id(s) for s in specials.TEMPLATE_SPECIALS}
         self._think_start = tokenizer.special_id(specials.THINK_START)
