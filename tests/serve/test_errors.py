@@ -323,6 +323,29 @@ async def test_full_queue_is_503_overloaded(engine: Engine) -> None:
         assert_anthropic_error(await first, 503, "overloaded_error")
 
 
+def test_the_queue_limit_counts_requests_not_started_only() -> None:
+    """Requests the engine took but has no row for yet count against `--queue`; requests
+    decoding in rows do not."""
+    import types
+
+    from serve.worker import Job, Overloaded
+
+    engine = types.SimpleNamespace(waiting=[], busy=True)
+    w = EngineWorker(engine, max_queue=2)  # type: ignore[arg-type]
+    loop = asyncio.new_event_loop()
+    try:
+        w.submit(Job(None, loop))  # type: ignore[arg-type]
+        engine.waiting.append("handed over, waiting for a row")
+        with pytest.raises(Overloaded):
+            w.submit(Job(None, loop))  # type: ignore[arg-type]
+        assert w.waiting == 2
+        engine.waiting.clear()  # it got a row: it no longer counts
+        w.submit(Job(None, loop))  # type: ignore[arg-type]
+        assert w.waiting == 2
+    finally:
+        loop.close()
+
+
 async def test_full_queue_is_503_while_a_job_runs(engine: Engine, gate: Gate) -> None:
     """The same through the SDK, with a started worker busy on one job and one queued."""
     busy = EngineWorker(engine, max_queue=1)
