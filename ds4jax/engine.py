@@ -167,10 +167,13 @@ class Engine:
         fork_points: bool = False,
         state_budget_bytes: int | None = None,
         max_batch: int = 1,
+        mesh: Any = None,
     ) -> None:
         """`sessions`, `fork_points`, `state_budget_bytes`: the session pool
         (`continuation.pool`); the budget bounds the retained states (None: unbounded).
-        `max_batch`: requests decoded together in one step (`model.batch`)."""
+        `max_batch`: requests decoded together in one step (`model.batch`). `mesh`: a
+        `jax.sharding.Mesh` the params are already sharded over (`model.sharding`); every
+        state the engine makes or loads is placed on it, replicated."""
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer
@@ -178,7 +181,8 @@ class Engine:
         self.store = store or NoStore()
         self.tool_memory = tool_memory or ToolMemory()
         self.chunk_sizes = tuple(chunk_sizes)
-        self._empty = init_state(cfg, max_len)
+        self.mesh = mesh
+        self._empty = self._place(init_state(cfg, max_len))
         self.state_nbytes = capacity_bytes(cfg, max_len)
         if state_budget_bytes is not None and state_budget_bytes < self.state_nbytes:
             raise ValueError(
@@ -189,7 +193,7 @@ class Engine:
                                keep_forks=fork_points)  # fmt: skip
         self.pool = Pool.create(sessions, **self._pool_args)
         self.max_batch = batch_ops.bucket(max_batch)
-        self._batch = batch_ops.empty_batch(cfg, max_len, self.max_batch)
+        self._batch = self._new_batch()
         self._keys = np.zeros((self.max_batch, 2), np.uint32)
         self._rows: list[Ticket | None] = [None] * self.max_batch
         self.waiting: deque[Ticket] = deque()
@@ -381,6 +385,17 @@ class Engine:
             if any(self._rows):
                 self._decode_step()
 
+    def _place(self, tree: Any) -> Any:
+        """On the mesh, replicated (states are small next to the params); as is without one."""
+        if self.mesh is None:
+            return tree
+        from ds4jax.model.sharding import replicated
+
+        return jax.device_put(tree, replicated(self.mesh))
+
+    def _new_batch(self) -> Any:
+        return self._place(batch_ops.empty_batch(self.cfg, self.max_len, self.max_batch))
+
     def abort(self, err: Exception) -> None:
         """Fail every request in the scheduler (after a step raised): their rows and the
         batch are dropped; sessions keep their last completed frontiers."""
@@ -391,7 +406,7 @@ class Engine:
             self.waiting.clear()
             self._prefilling = None
             self._rows = [None] * self.max_batch
-            self._batch = batch_ops.empty_batch(self.cfg, self.max_len, self.max_batch)
+            self._batch = self._new_batch()
         for t in tickets:
             t.fail(err)
 
@@ -442,7 +457,7 @@ class Engine:
         if decision.source == CacheSource.COLD:
             base_state, base_segments = self._empty, ()
         elif decision.source == CacheSource.DISK:
-            base_state, base_segments = disk_state, decision.disk.segments
+            base_state, base_segments = self._place(disk_state), decision.disk.segments
             for tid, block in decision.disk.tool_entries.items():
                 self.tool_memory.remember([tid], block)
         elif decision.source == CacheSource.FORK:
@@ -711,7 +726,7 @@ class Engine:
         # the batched step at every size up to max_batch, on a throwaway batch of the same
         # shapes (rows of the real one may be decoding), and the row insert / extract
         with self._lock:
-            scratch = batch_ops.empty_batch(self.cfg, self.max_len, self.max_batch)
+            scratch = self._new_batch()
             scratch = batch_ops.insert(scratch, np.int32(0), self._empty)
             for size in batch_ops.BATCH_SIZES:
                 if size > self.max_batch:

@@ -53,6 +53,9 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
                     "per session)")  # fmt: skip
     sp.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                     help="requests decoded together in one step (1, 2, 4 or 8)")  # fmt: skip
+    sp.add_argument("--mesh", default=None,
+                    help="expert=E,tensor=T: shard the params over a device mesh (default: "
+                    "every local device on the tensor axis where the shapes divide)")  # fmt: skip
     sp.add_argument("--kv-disk-dir", default=None, help="disk checkpoints (disk issue)")
     sp.add_argument("--kv-disk-space-mb", type=int, default=4096)
     sp.add_argument("--trace", default=None, help="append JSON lines per request to FILE")
@@ -88,6 +91,15 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
         raise SystemExit("ds4jax serve: --sessions must be at least 1")
     if not 1 <= args.max_batch <= 8:
         raise SystemExit("ds4jax serve: --max-batch must be between 1 and 8")
+    from ds4jax.model.sharding import default_mesh, parse_mesh, shard_params
+
+    try:
+        mesh = parse_mesh(args.mesh) if args.mesh else default_mesh(cfg)
+    except ValueError as err:
+        raise SystemExit(f"ds4jax serve: --mesh: {err}") from err
+    if mesh is not None:
+        params = shard_params(params, cfg, mesh)
+        banner += f"; mesh {dict(mesh.shape)}"
     per_state = capacity_bytes(cfg, args.ctx)
     if args.state_budget_mb is None:
         budget = AUTO_BUDGET_STATES_PER_SESSION * args.sessions * per_state
@@ -96,7 +108,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     try:
         engine = Engine(
             cfg, params, tokenizer, max_len=args.ctx, store=store, sessions=args.sessions,
-            fork_points=True, state_budget_bytes=budget, max_batch=args.max_batch,
+            fork_points=True, state_budget_bytes=budget, max_batch=args.max_batch, mesh=mesh,
         )  # fmt: skip
     except ValueError as err:
         raise SystemExit(f"ds4jax serve: --state-budget-mb: {err}") from err

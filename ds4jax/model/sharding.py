@@ -99,3 +99,36 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def shard_params(params: Params, cfg: Config, mesh: Mesh, rules: ShardingRules | None = None):
     return jax.device_put(params, param_shardings(cfg, mesh, rules))
+
+
+def parse_mesh(spec: str, devices: list[Any] | None = None) -> Mesh:
+    """`expert=E,tensor=T` (either may be left out: the other takes what is left) → Mesh."""
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, value = part.partition("=")
+        if name not in (EXPERT_AXIS, TENSOR_AXIS) or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"mesh {spec!r}: expected expert=E,tensor=T, got {part!r}")
+        sizes[name] = int(value)
+    devices = list(devices if devices is not None else jax.devices())
+    tensor = sizes.get(TENSOR_AXIS)
+    if tensor is None:
+        expert = sizes.get(EXPERT_AXIS, 1)
+        tensor = len(devices) // expert if len(devices) % expert == 0 else 0
+    if not tensor:
+        raise ValueError(f"mesh {spec!r} does not divide {len(devices)} devices")
+    return make_mesh(sizes.get(EXPERT_AXIS), tensor, devices)
+
+
+def default_mesh(cfg: Config, devices: list[Any] | None = None) -> Mesh | None:
+    """Every local device on the tensor axis when every tensor-sharded dimension divides
+    by their count; None (one device, nothing to place) otherwise or with one device."""
+    devices = list(devices if devices is not None else jax.local_devices())
+    n = len(devices)
+    if n <= 1:
+        return None
+    rules = ShardingRules()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(param_shapes(cfg)):
+        for dim, logical in zip(leaf.shape, logical_axes(path_name(path), leaf.ndim), strict=True):
+            if rules.mesh_axis(logical) == TENSOR_AXIS and dim % n:
+                return None
+    return make_mesh(1, n, devices)

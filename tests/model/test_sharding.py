@@ -66,6 +66,43 @@ SCRIPT = textwrap.dedent(
     berr = float(np.abs(np.asarray(logits) - np.asarray(ref_logits)).max())
     print("batch_max_err", berr)
     assert berr <= 1e-5, berr
+
+    # the engine on the mesh: two requests batched, the same greedy text and final logits
+    from ds4jax.chat.anthropic import parse_messages_request
+    from ds4jax.chat.tokenizer import V4Tokenizer
+    from ds4jax.config import load_config
+    from ds4jax.engine import Engine, SamplingParams
+    from ds4jax.model.sharding import default_mesh, parse_mesh
+
+    tiny = load_config("tiny").replace(quant_sim=False)
+    tp = init_params(tiny, 0)
+    tok = V4Tokenizer()
+
+    def serve_two(engine):
+        out = []
+        for text in ("Name a river.", "Count to three."):
+            body = {"messages": [{"role": "user", "content": text}],
+                    "thinking": {"type": "disabled"}}
+            req = engine.prepare_request(parse_messages_request(body), max_tokens=6,
+                                         sampling=SamplingParams(temperature=0.0))
+            out.append(engine.submit(req))
+        while engine.busy:
+            engine.tick()
+        lives = [engine.pool.sessions[t.result.session].live for t in out]
+        return [t.result.raw_text for t in out], [np.asarray(l.state.logits) for l in lives]
+
+    kw = dict(max_len=256, chunk_sizes=(16, 64), sessions=2, max_batch=2)
+    texts1, logits1 = serve_two(Engine(tiny, one(tp), tok, **kw))
+    m = parse_mesh("expert=2,tensor=4")
+    assert dict(m.shape) == {"expert": 2, "tensor": 4}
+    texts8, logits8 = serve_two(Engine(tiny, shard_params(tp, tiny, m), tok, mesh=m, **kw))
+    assert texts8 == texts1, (texts8, texts1)
+    eerr = max(float(np.abs(a - b).max()) for a, b in zip(logits1, logits8))
+    print("engine_max_err", eerr)
+    assert eerr <= 1e-5, eerr
+    dm = default_mesh(small_config(num_heads=8, index_heads=16))
+    assert dm is not None and dict(dm.shape) == {"expert": 1, "tensor": 8}
+    assert default_mesh(small_config(num_heads=4)) is None  # 4 heads do not divide by 8
     """
 )
 
@@ -83,7 +120,7 @@ def test_eight_device_mesh_matches_one_device() -> None:
         timeout=600,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "max_err" in out.stdout and "batch_max_err" in out.stdout
+    assert "batch_max_err" in out.stdout and "engine_max_err" in out.stdout
 
 
 def test_logical_axes_put_experts_and_heads_on_their_axes() -> None:
@@ -91,3 +128,19 @@ def test_logical_axes_put_experts_and_heads_on_their_axes() -> None:
     assert logical_axes("layers.3.ffn.w2", 3) == ("experts", None, "ffn")
     assert logical_axes("layers.0.attn.wq_b", 2) == ("heads", None)
     assert logical_axes("layers.0.attn_norm", 1) == (None,)
+
+
+def test_mesh_specs() -> None:
+    import jax
+    import pytest
+
+    from ds4jax.model.sharding import default_mesh, parse_mesh
+    from tests.model.conftest import small_config
+
+    one = jax.devices()[:1]
+    assert dict(parse_mesh("expert=1,tensor=1", one).shape) == {"expert": 1, "tensor": 1}
+    assert dict(parse_mesh("tensor=1", one).shape) == {"expert": 1, "tensor": 1}
+    for bad in ("tensor=2", "bogus=1", "tensor=x", "expert=0"):
+        with pytest.raises(ValueError):
+            parse_mesh(bad, one)
+    assert default_mesh(small_config(), one) is None  # one device: nothing to place
