@@ -28,7 +28,7 @@ from ds4jax.chat.dsml_parse import (
 )
 from ds4jax.chat.segments import Segment, normalize, template
 from ds4jax.continuation.tool_memory import new_tool_id
-from ds4jax.continuation.types import CacheSource, ThinkingBinding, ToolBinding
+from ds4jax.continuation.types import CacheSource, LiveFrontier, ThinkingBinding, ToolBinding
 
 if TYPE_CHECKING:
     from ds4jax.engine import Engine, Prepared
@@ -183,8 +183,6 @@ class RowDecoder:
     def finish(self, state: Any) -> Result:
         """The row's final state (holding `self.tokens`) becomes its session's live frontier;
         returns the request's result (the prompt fields are the engine's to fill)."""
-        from ds4jax.continuation.types import LiveFrontier
-
         engine, p, finish = self.engine, self.prepared, self.finish_reason or "max_tokens"
         raw = self.raw
         if finish != "stop_sequence":
@@ -205,7 +203,7 @@ class RowDecoder:
         live = LiveFrontier(
             state,
             tuple(self.tokens),
-            normalize([*self.segments, *engine._segments_of(self.generated)]),
+            normalize([*self.segments, *engine.segments_of(self.generated)]),
         )
         session = self.session
         with engine._state_lock:

@@ -54,7 +54,7 @@ from ds4jax.continuation.types import (
 from ds4jax.decoding import Result, RowDecoder, ToolCallStarted
 from ds4jax.kvstore.store import KVStore, NoStore
 from ds4jax.model import batch as batch_ops
-from ds4jax.model.forward import CHUNK_SIZES, decode_step, prefill
+from ds4jax.model.forward import CHUNK_SIZES, prefill
 from ds4jax.model.params import Params
 from ds4jax.model.state import capacity_bytes, init_state
 
@@ -136,7 +136,6 @@ class Ticket:
     t0: float = 0.0
     prefill_seconds: float = 0.0
     decoder: RowDecoder | None = None
-    row: int | None = None
 
     def succeed(self, result: Result) -> None:
         self.result = result
@@ -307,7 +306,7 @@ class Engine:
 
     # ------------------------------------------------------------------ worker side
 
-    def _segments_of(self, tokens: Sequence[int]) -> list[Segment]:
+    def segments_of(self, tokens: Sequence[int]) -> list[Segment]:
         """The text of `tokens` as segments. Runs of ordinary tokens are decoded together:
         a character split over byte-level tokens must come out whole, not as U+FFFD."""
         out: list[Segment] = []
@@ -578,7 +577,6 @@ class Engine:
         self._keys[row] = np.asarray(jax.random.key_data(key))
         self._batch = batch_ops.insert(self._batch, np.int32(row), state)
         self._rows[row] = ticket
-        ticket.row = row
 
     def _decode_step(self) -> None:
         """One batched step for every active row; finished rows leave the batch."""
@@ -682,7 +680,7 @@ class Engine:
             first = (decision.cached // every + 1) * every
             points |= dict.fromkeys(range(first, len(tokens), every), "continued")
         if decision.source == CacheSource.COLD:
-            cut = self.store.cold_cut(tuple(tokens), normalize(self._segments_of(tokens)))
+            cut = self.store.cold_cut(tuple(tokens), normalize(self.segments_of(tokens)))
             if cut:
                 points[cut] = "cold"
         # a short prompt's cold point is its end: saved whole, after the prefill
@@ -697,7 +695,7 @@ class Engine:
         logged, not raised: serving goes on without the checkpoint."""
         try:
             self.store.save(
-                tokens, normalize(self._segments_of(tokens)), state, reason, self.tool_memory
+                tokens, normalize(self.segments_of(tokens)), state, reason, self.tool_memory
             )
         except Exception as err:
             log.warning("kv store: %s save of %d tokens failed: %s", reason, len(tokens), err)
@@ -714,15 +712,12 @@ class Engine:
     # ------------------------------------------------------------------ introspection
 
     def warm_up(self) -> None:
-        """Compile every prefill chunk size and the decode step (before serving), on a
-        throwaway state: the live frontier is untouched."""
+        """Compile every prefill chunk size and the batched step at every size up to
+        `max_batch` (before serving), on throwaway states: no session is touched."""
         for size in self.chunk_sizes:
             state, _ = prefill(self.params, self._empty, [self.tokenizer.bos_id] * size, self.cfg,
                                chunk_sizes=(size,))  # fmt: skip
             state.logits.block_until_ready()
-        decode_step(
-            self.params, self._empty, self.tokenizer.bos_id, self.cfg
-        ).logits.block_until_ready()
         # the batched step at every size up to max_batch, on a throwaway batch of the same
         # shapes (rows of the real one may be decoding), and the row insert / extract
         with self._lock:

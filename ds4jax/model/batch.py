@@ -112,10 +112,16 @@ def step(
 
     advanced = forward_rows(params, rows, tokens, cfg)
     evaluated = tokens != eos_id
-    new = jax.tree.map(
-        lambda n, o: jnp.where(evaluated.reshape((-1,) + (1,) * (n.ndim - 1)), n, o),
-        advanced,
-        rows,
-    )
+
+    def keep_eos_rows() -> DecodeState:
+        return jax.tree.map(
+            lambda n, o: jnp.where(evaluated.reshape((-1,) + (1,) * (n.ndim - 1)), n, o),
+            advanced,
+            rows,
+        )
+
+    # a select over every row's whole state only on the rare step where some row sampled
+    # EOS (once per request), not on every step
+    new = jax.lax.cond(jnp.all(evaluated), lambda: advanced, keep_eos_rows)
     batch = jax.tree.map(lambda b, n: jax.lax.dynamic_update_slice_in_dim(b, n, 0, 0), batch, new)
     return batch, tokens, jax.random.key_data(keys)
