@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from ds4jax.engine import Engine, Prepared
 
 SAMPLE = -1  # `plan`: no forced token, the row samples
+ID_PREFIXES = {"anthropic": "toolu_"}  # the OpenAI protocols: `call_`
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,8 @@ class RowDecoder:
         for ev in events:
             self.events.append(ev)
             if isinstance(ev, ToolUseStart):
-                tid = new_tool_id([*self.tool_ids, *self.engine.live_tool_ids()])
+                taken = [*self.tool_ids, *self.engine.live_tool_ids()]
+                tid = new_tool_id(taken, ID_PREFIXES.get(self.prepared.api, "call_"))
                 self.tool_ids.append(tid)
                 self.emit(ToolCallStarted(ev.index, tid, ev.name))
             self.emit(ev)
@@ -213,16 +215,20 @@ class RowDecoder:
             if finish == "tool_use" and self.parser.raw_dsml is not None:
                 engine.tool_memory.remember(self.tool_ids, self.parser.raw_dsml)
                 session.bindings.tool = ToolBinding(frozenset(self.tool_ids), live.pos)
-            elif (
-                finish == "end_turn"
-                and p.thinking
-                and not p.has_tools
-                and not message.tool_calls
+            if (
+                p.thinking
                 and message.reasoning is not None
                 and not self.in_thinking
+                and (
+                    (finish == "end_turn" and not p.has_tools and not message.tool_calls)
+                    or (p.api != "anthropic" and finish in ("end_turn", "tool_use"))
+                )
             ):
+                shown = [Segment(message.content)]
+                if finish == "tool_use" and self.parser.raw_dsml is not None:
+                    shown += template(self.parser.raw_dsml)
                 session.bindings.thinking = ThinkingBinding(
-                    visible_transcript(p.view.segments, message.content), live.pos
+                    visible_transcript(p.view.segments, shown, keep_think=p.has_tools), live.pos
                 )
         sampled_eos = finish == "end_turn" and self.forced is None
         return Result(
@@ -238,11 +244,17 @@ class RowDecoder:
         )
 
 
-def visible_transcript(prompt: tuple[Segment, ...], content: str) -> tuple[Segment, ...]:
-    """What the next render shows for this turn once its reasoning is dropped: the prompt
-    with its closing `<think>` turned into `</think>`, then the content. The EOS that
-    follows is deliberately left out, so the next turn's suffix starts with it."""
+def visible_transcript(
+    prompt: tuple[Segment, ...], shown: list[Segment], *, keep_think: bool = False
+) -> tuple[Segment, ...]:
+    """What the next render shows for this turn without its reasoning: the prompt, `</think>`,
+    then what the turn showed (its content, and the sampled DSML block of a tool-call turn).
+    Without tools the official format drops old reasoning and renders the turn as
+    `<｜Assistant｜></think>…`, so the prompt's closing `<think>` goes; with tools it keeps
+    reasoning, and a client that did not replay it renders `<think></think>…`
+    (`keep_think`). The EOS that follows is deliberately left out, so the next turn's suffix
+    starts with it."""
     body = list(prompt)
-    if body and body[-1] == Segment(specials.THINK_START, True):
+    if not keep_think and body and body[-1] == Segment(specials.THINK_START, True):
         body.pop()
-    return normalize([*body, Segment(specials.THINK_END, True), Segment(content)])
+    return normalize([*body, Segment(specials.THINK_END, True), *shown])

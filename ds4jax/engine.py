@@ -50,6 +50,7 @@ from ds4jax.continuation.types import (
     LiveFrontier,
     Rejection,
     RequestView,
+    source_label,
 )
 from ds4jax.decoding import Result, RowDecoder, ToolCallStarted
 from ds4jax.kvstore.store import KVStore, NoStore
@@ -99,8 +100,12 @@ class Prepared:
     force_after_think: str | None = None
     #: `disable_parallel_tool_use`: close the block after its first invoke.
     single_tool_call: bool = False
-    #: a client's session hint (`metadata.user_id`, `x-session-id`): breaks routing ties
+    #: a client's session hint (`metadata.user_id`, `x-session-id`, `prompt_cache_key`):
+    #: breaks routing ties
     hint: str | None = None
+    #: the protocol (`continuation.types.APIS`): its error wording, tool-id prefix, log
+    #: lines, and whether tool turns leave a visible-transcript binding
+    api: str = "anthropic"
 
     @property
     def prompt_tokens(self) -> int:
@@ -242,12 +247,13 @@ class Engine:
         thinking_budget: int | None = None,
         tool_choice: dict[str, Any] | None = None,
         hint: str | None = None,
+        api: str = "anthropic",
     ) -> Prepared:
         """Validation and rendering, before queueing. Raises EngineError(400) for a
         tool_result that is neither live nor backed by a replayed tool_use, or a prompt that
         does not fit the context."""
         try:
-            requires_live = validate_tool_results(conversation, self.live_tool_ids())
+            requires_live = validate_tool_results(conversation, self.live_tool_ids(), api)
         except ValueError as err:
             raise EngineError(400, str(err)) from err
         attach_tool_memory(conversation, self.tool_memory.block_for)
@@ -259,7 +265,7 @@ class Engine:
                 f"prompt is too long: {len(tokens)} tokens, the context is {self.max_len}",
             )
         tail_ids, tail = tool_tail(conversation)
-        view = RequestView(segments, tokens, tail_ids, tail, requires_live)
+        view = RequestView(segments, tokens, tail_ids, tail, requires_live, api)
         force = None
         choice = (tool_choice or {}).get("type")
         if has_tools and choice in ("any", "tool"):
@@ -278,6 +284,7 @@ class Engine:
             force_after_think=force,
             single_tool_call=bool((tool_choice or {}).get("disable_parallel_tool_use")),
             hint=hint,
+            api=api,
         )
 
     def prepare_request(
@@ -287,11 +294,13 @@ class Engine:
         max_tokens: int | None = None,
         sampling: SamplingParams | None = None,
         hint: str | None = None,
+        api: str = "anthropic",
     ) -> Prepared:
-        """`prepare` for a parsed Messages request: its stop sequences, thinking budget and
-        tool_choice; tools count when the rendered conversation declares some (tool_choice
-        "none" has removed them). `max_tokens` overrides the request's; `hint` (a client's
-        session header) takes precedence over its `metadata.user_id`."""
+        """`prepare` for a parsed Messages request (or an OpenAI one converted to it, `api`):
+        its stop sequences, thinking budget and tool_choice; tools count when the rendered
+        conversation declares some (tool_choice "none" has removed them). `max_tokens`
+        overrides the request's; `hint` (a client's session header) takes precedence over its
+        `metadata.user_id`."""
         conv = req.conversation
         return self.prepare(
             conv,
@@ -302,6 +311,7 @@ class Engine:
             thinking_budget=req.thinking_budget,
             tool_choice=req.tool_choice,
             hint=hint or req.user_id,
+            api=api,
         )
 
     # ------------------------------------------------------------------ worker side
@@ -473,10 +483,15 @@ class Engine:
             raise EngineError(
                 400, f"prompt is too long: {len(tokens)} tokens, the context is {self.max_len}"
             )
-        if decision.source == CacheSource.LIVE_TOOL:
+        api = prepared.api
+        live_match = {CacheSource.LIVE_TOOL: "tool-output-ids"}
+        if api != "anthropic":
+            live_match[CacheSource.THINKING_VISIBLE] = "visible-prefix"
+        if decision.source in live_match:
             log.info(
-                "anthropic live continuation match=tool-output-ids ids=%d cached=%d prompt=%d "
-                "session=%d",
+                "%s live continuation match=%s ids=%d cached=%d prompt=%d session=%d",
+                api,
+                live_match[decision.source],
                 len(prepared.view.tail_ids),
                 decision.cached,
                 len(tokens),
@@ -559,7 +574,7 @@ class Engine:
             session.used = pool.tick()
             session.hint = prepared.hint or session.hint
             pool.current = session.slot
-            pool.hits[decision.source.value] += 1
+            pool.hits[source_label(decision.source, prepared.api)] += 1
             if decision.source != CacheSource.LIVE_TOOL:
                 session.bindings.tool = None
             if decision.source != CacheSource.THINKING_VISIBLE:

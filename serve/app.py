@@ -1,8 +1,13 @@
-"""The Quart app: thin routes over `EngineWorker`, errors in the Anthropic shape.
+"""The Quart app: thin routes over `EngineWorker` for three protocols — Anthropic Messages
+(`/v1/messages`), OpenAI Responses (`/v1/responses`) and Chat Completions
+(`/v1/chat/completions`) — each converted to the same `MessagesRequest` and served by the
+same decision procedure; only the wire shapes differ (`protocol`, `responses_wire`,
+`chat_wire`).
 
-Every failure a client can cause is a 4xx with `{"type":"error","error":{…}}`; a stream that
-has started always ends, with an `error` event if something went wrong, so clients never
-hang waiting for `message_stop`.
+Every failure a client can cause is a 4xx in its protocol's error shape (Anthropic:
+`{"type":"error","error":{…}}`; OpenAI: `{"error":{"message","type","param","code"}}`); a
+stream that has started always ends, with an error event if something went wrong, so
+clients never hang waiting for the end of the stream.
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ from typing import Any
 
 from quart import Quart, Response, request
 
-from ds4jax.chat.anthropic import RequestError, parse_messages_request
+from ds4jax.chat.anthropic import MessagesRequest, RequestError, parse_messages_request
+from ds4jax.chat.chat_completions import parse_chat_request
 from ds4jax.chat.render import render
+from ds4jax.chat.responses import parse_responses_request
 from ds4jax.continuation.evidence import attach_tool_memory
+from ds4jax.continuation.reasoning_seal import ReasoningSeal
 from ds4jax.engine import EngineError, SamplingParams
-from serve import protocol
+from serve import chat_wire, protocol, responses_wire
 from serve.worker import EngineWorker, Job, Overloaded
 
 log = logging.getLogger("ds4jax.serve")
@@ -37,10 +45,21 @@ class ServerConfig:
     aliases: list[str] = field(default_factory=list)
     state: str = "loading"  # loading → ready
     created_at: str = "2026-01-01T00:00:00Z"
+    #: seals Responses reasoning items; `ds4jax serve` keeps its key in --kv-disk-dir
+    seal: ReasoningSeal = field(default_factory=ReasoningSeal.fresh)
+
+
+OPENAI_PATHS = ("/v1/responses", "/v1/chat/completions")
 
 
 def _err(status: int, message: str, error_type: str | None = None) -> Response:
-    body = protocol.error_body(error_type or protocol.ERROR_TYPES.get(status, "api_error"), message)
+    """An error in the shape of the protocol the request spoke (by its path)."""
+    kind = error_type or protocol.ERROR_TYPES.get(status, "api_error")
+    if request.path in OPENAI_PATHS:
+        body: dict[str, Any] = {"error": {"message": message, "type": kind, "param": None,
+                                          "code": None}}  # fmt: skip
+    else:
+        body = protocol.error_body(kind, message)
     return Response(json.dumps(body), status=status, content_type="application/json")
 
 
@@ -149,34 +168,35 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
         n = len(engine.tokenizer.encode_segments(render(req.conversation)))
         return Response(json.dumps({"input_tokens": n}), content_type="application/json")
 
-    @app.post("/v1/messages")
-    async def messages() -> Response:
-        if config.state != "ready":
-            return _err(503, "the model is still loading")
+    def _submit(
+        body: Any, req: MessagesRequest, api: str, hint: str | None, seed: Any = None
+    ) -> Job | Response:
+        """Validate the generation settings, prepare (the decision's evidence, the 400s) and
+        queue a converted request: its job, or the error response."""
         try:
-            body = await read_json()
-            req = parse_messages_request(body, max_context=engine.max_len, require_max_tokens=True)
             if req.max_tokens is not None and req.max_tokens < 1:
                 raise RequestError("max_tokens: must be >= 1")
             # Claude Code always asks for 32000: anything up to the model's position limit
             # is clamped to the room left in the context (decoding stops there); beyond it
-            # the value is nonsense
-            if req.max_tokens > engine.cfg.max_position_embeddings:
-                raise RequestError(
-                    f"max_tokens: {req.max_tokens} exceeds the model's maximum "
-                    f"({engine.cfg.max_position_embeddings})"
-                )
+            # the value is nonsense. OpenAI bodies may leave it out: the room left.
+            limit = engine.cfg.max_position_embeddings
+            if req.max_tokens is not None and req.max_tokens > limit:
+                raise RequestError(f"max_tokens: {req.max_tokens} exceeds the model's maximum "
+                                   f"({limit})")  # fmt: skip
+            if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+                raise RequestError("seed: must be an integer")
             sampling = SamplingParams(
                 temperature=1.0 if req.temperature is None else float(req.temperature),
                 top_k=req.top_k or 0,
                 top_p=1.0 if req.top_p is None else float(req.top_p),
                 min_p=config.min_p,
+                seed=None if seed is None else seed % (2**31),
             )
-            hint = request.headers.get("x-session-id") or None
-            prepared = engine.prepare_request(req, sampling=sampling, hint=hint)
-        except RequestError as err:
-            return _err(err.status, err.message, err.error_type)
-        except EngineError as err:
+            prepared = engine.prepare_request(
+                req, sampling=sampling, hint=hint, api=api,
+                max_tokens=engine.max_len if req.max_tokens is None else None,
+            )  # fmt: skip
+        except (RequestError, EngineError) as err:
             return _err(err.status, err.message, err.error_type)
         job = Job(prepared, asyncio.get_running_loop())
         job.forced_tokens = app.config.get("TEST_FORCED_TOKENS_HOOK", lambda _b: None)(body)
@@ -184,11 +204,131 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
             worker.submit(job)
         except Overloaded as err:
             return _err(503, str(err))
+        return job
+
+    @app.post("/v1/messages")
+    async def messages() -> Response:
+        if config.state != "ready":
+            return _err(503, "the model is still loading")
+        try:
+            body = await read_json()
+            req = parse_messages_request(body, max_context=engine.max_len, require_max_tokens=True)
+        except RequestError as err:
+            return _err(err.status, err.message, err.error_type)
+        job = _submit(body, req, "anthropic", request.headers.get("x-session-id") or None)
+        if isinstance(job, Response):
+            return job
         msg_id = protocol.new_message_id()
         model_name = req.model
         if req.stream:
             return await _stream(job, msg_id, model_name)
         return await _complete(job, msg_id, model_name)
+
+    @app.post("/v1/responses")
+    async def responses() -> Response:
+        if config.state != "ready":
+            return _err(503, "the model is still loading")
+        try:
+            body = await read_json()
+            rreq = parse_responses_request(body, max_context=engine.max_len,
+                                           unseal=config.seal.open)  # fmt: skip
+        except RequestError as err:
+            return _err(err.status, err.message, err.error_type)
+        hint = request.headers.get("session-id") or request.headers.get("x-session-id")
+        job = _submit(body, rreq.request, "responses", hint or None)
+        if isinstance(job, Response):
+            return job
+        rid = responses_wire.new_id("resp_")
+        if rreq.request.stream:
+            stream = responses_wire.ResponsesStream(rid, rreq, config.seal.seal)
+            return await _openai_stream(job, stream, responses_wire.KEEPALIVE)
+        created = int(time.time())
+        result = await _result(job)
+        if isinstance(result, Response):
+            return result
+        body = responses_wire.final_response(rid, rreq, result, config.seal.seal, created)
+        return Response(json.dumps(body), content_type="application/json")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        if config.state != "ready":
+            return _err(503, "the model is still loading")
+        try:
+            body = await read_json()
+            creq = parse_chat_request(body, max_context=engine.max_len)
+        except RequestError as err:
+            return _err(err.status, err.message, err.error_type)
+        hint = request.headers.get("session-id") or request.headers.get("x-session-id")
+        job = _submit(body, creq.request, "chat", hint or None, seed=body.get("seed"))
+        if isinstance(job, Response):
+            return job
+        cid, model_name = chat_wire.new_completion_id(), creq.request.model
+        if creq.request.stream:
+            stream = chat_wire.ChatStream(cid, model_name, creq.include_usage)
+            return await _openai_stream(job, stream, chat_wire.KEEPALIVE)
+        created = int(time.time())
+        result = await _result(job)
+        if isinstance(result, Response):
+            return result
+        body = chat_wire.final_completion(cid, model_name, result, created)
+        return Response(json.dumps(body), content_type="application/json")
+
+    async def _result(job: Job) -> Any:
+        """The job's Result, or its error as a response."""
+        try:
+            while True:
+                kind, payload = await job.events.get()
+                if kind == "done":
+                    return payload
+                if kind == "error":
+                    return _engine_error(payload)
+        except asyncio.CancelledError:
+            job.cancel.set()
+            raise
+
+    async def _openai_stream(job: Job, stream: Any, keepalive: bytes) -> Response:
+        """An OpenAI SSE stream: `stream` (`ResponsesStream`, `ChatStream`) projects the
+        engine's events; SSE comments keep the connection alive through long prefills."""
+        first = await _next(job, 1.0)  # as `_stream`: a 409 can still be an HTTP status
+        while first is not None and first[0] in ("queued", "progress"):
+            first = await _next(job, 1.0)
+        if first is not None and first[0] == "error":
+            return _engine_error(first[1])
+
+        async def frames():
+            finished = False
+            pending = [first] if first is not None else []
+            try:
+                for frame in stream.start():
+                    yield frame
+                while True:
+                    item = pending.pop(0) if pending else await _next(job, config.ping_interval)
+                    if item is None or item[0] in ("progress", "queued"):
+                        yield keepalive
+                        continue
+                    kind, payload = item
+                    if kind == "event":
+                        for frame in stream.feed(payload):
+                            yield frame
+                    elif kind in ("done", "error"):
+                        finished = True
+                        if kind == "done":
+                            out = stream.finish(payload)
+                        elif isinstance(payload, EngineError):
+                            out = stream.fail(payload.message)
+                        else:
+                            out = stream.fail(f"generation failed: {type(payload).__name__}")
+                        for frame in out:
+                            yield frame
+                        return
+            finally:
+                if not finished:  # the client went away (or the stream broke): stop work
+                    job.cancel.set()
+
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        resp = Response(frames(), content_type="text/event-stream", headers=headers)
+        resp.timeout = None
+        return resp
 
     async def _next(job: Job, timeout: float | None) -> tuple[str, Any] | None:
         # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation

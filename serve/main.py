@@ -14,6 +14,7 @@ from typing import Any
 
 from ds4jax.cli import add_attention_impl
 from ds4jax.config import CONFIG_DIR
+from ds4jax.continuation.reasoning_seal import ReasoningSeal
 from ds4jax.engine import Engine
 from serve.app import ServerConfig, create_app
 from serve.worker import EngineWorker
@@ -166,6 +167,8 @@ def serve(args: argparse.Namespace) -> int:
     if args.trace:
         worker.hooks.append(trace_hook(args.trace))
     config = ServerConfig(model_name=args.model_name, api_key=args.api_key, cors=args.cors)
+    if args.kv_disk_dir:  # Responses reasoning seals stay valid across restarts
+        config.seal = ReasoningSeal.in_dir(args.kv_disk_dir)
     app = create_app(worker, config)
 
     hc = HyperConfig()

@@ -243,7 +243,9 @@ def _assistant_message(content: Any, where: str) -> Message:
     )
 
 
-def _thinking(body: dict[str, Any], max_context: int | None) -> tuple[bool, bool, int | None]:
+def thinking_controls(
+    body: dict[str, Any], max_context: int | None
+) -> tuple[bool, bool, int | None]:
     """(thinking on, Think-Max, budget_tokens)."""
     thinking, explicit, budget = True, False, None
     control = body.get("thinking")
@@ -290,7 +292,7 @@ _RANGES = {
 }
 
 
-def _number(body: dict[str, Any], key: str, kind: type) -> Any:
+def number(body: dict[str, Any], key: str, kind: type) -> Any:
     value = body.get(key)
     if value is None:
         return None
@@ -326,7 +328,7 @@ def parse_messages_request(
     tool_choice = _tool_choice(body.get("tool_choice"), tools)
     if tool_choice is not None and tool_choice["type"] == "none":
         tools = []
-    thinking, think_max, budget = _thinking(body, max_context)
+    thinking, think_max, budget = thinking_controls(body, max_context)
 
     messages: list[Message] = []
     system = _system_text(body.get("system"))
@@ -350,7 +352,7 @@ def parse_messages_request(
     if messages[-1].role == "assistant":
         messages[-1].prefill = True
 
-    max_tokens = _number(body, "max_tokens", int)
+    max_tokens = number(body, "max_tokens", int)
     if max_tokens is None and require_max_tokens:
         raise _fail("max_tokens", "is required")
     if max_tokens is not None and max_tokens < 0:
@@ -369,9 +371,9 @@ def parse_messages_request(
         max_tokens=max_tokens,
         stream=bool(body.get("stream", False)),
         stop_sequences=[s for s in stops if s],
-        temperature=_number(body, "temperature", float),
-        top_p=_number(body, "top_p", float),
-        top_k=_number(body, "top_k", int),
+        temperature=number(body, "temperature", float),
+        top_p=number(body, "top_p", float),
+        top_k=number(body, "top_k", int),
         tool_choice=tool_choice,
         thinking_budget=budget,
         user_id=_user_id(body.get("metadata")),

@@ -32,13 +32,13 @@ from __future__ import annotations
 from ds4jax.chat import specials
 from ds4jax.chat.segments import Segment, strip_prefix
 from ds4jax.continuation.types import (
-    LIVE_GONE_MESSAGE,
     Bindings,
     CacheSource,
     Decision,
     LiveFrontier,
     Rejection,
     RequestView,
+    live_gone_message,
 )
 from ds4jax.kvstore.store import KVStore
 
@@ -113,5 +113,5 @@ def decide(
     if hit is not None:
         return hit
     if req.requires_live:
-        return Rejection(409, LIVE_GONE_MESSAGE)
+        return Rejection(409, live_gone_message(req.api))
     return match_live(req, live, bindings) or match_disk(req, store) or cold(req)

@@ -19,8 +19,8 @@ from ds4jax.continuation.types import unknown_id_message
 class UnknownToolResult(ValueError):
     """A tool_result id that is neither live nor backed by a replayed tool_use (400)."""
 
-    def __init__(self, tool_use_id: str) -> None:
-        super().__init__(unknown_id_message(tool_use_id))
+    def __init__(self, tool_use_id: str, api: str = "anthropic") -> None:
+        super().__init__(unknown_id_message(tool_use_id, api))
         self.tool_use_id = tool_use_id
 
 
@@ -28,7 +28,9 @@ def _result_ids(m: Message) -> list[str]:
     return [b.tool_use_id for b in m.blocks if b.kind == "tool_result" and b.tool_use_id]
 
 
-def validate_tool_results(conv: Conversation, live_ids: Collection[str]) -> bool:
+def validate_tool_results(
+    conv: Conversation, live_ids: Collection[str], api: str = "anthropic"
+) -> bool:
     """Check every tool_result in the history; returns whether the request requires the live
     state (some id is known only live, with no replayed tool_use before it)."""
     seen_calls: set[str] = set()
@@ -41,7 +43,7 @@ def validate_tool_results(conv: Conversation, live_ids: Collection[str]) -> bool
                 if tid in seen_calls:
                     continue
                 if tid not in live_ids:
-                    raise UnknownToolResult(tid)
+                    raise UnknownToolResult(tid, api)
                 requires_live = True
     return requires_live
 

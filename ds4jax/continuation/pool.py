@@ -46,13 +46,13 @@ from dataclasses import dataclass, field
 
 from ds4jax.continuation.decide import cold, match_disk, match_fork, match_live, match_tool
 from ds4jax.continuation.types import (
-    LIVE_GONE_MESSAGE,
     ORDER,
     Bindings,
     Decision,
     LiveFrontier,
     Rejection,
     RequestView,
+    live_gone_message,
 )
 from ds4jax.kvstore.store import KVStore
 
@@ -101,7 +101,7 @@ class Pool:
     keep_forks: bool = True
     clock: int = 0
     current: int = 0  # the slot of the latest request
-    hits: Counter = field(default_factory=Counter)  # CacheSource.value → requests
+    hits: Counter = field(default_factory=Counter)  # types.source_label → requests
 
     @classmethod
     def create(
@@ -139,7 +139,7 @@ class Pool:
             "fork_points": len(self.forks),
             "state_bytes": self.state_bytes(),
             "state_budget_bytes": self.budget,
-            "hits": {s.value: self.hits.get(s.value, 0) for s in ORDER},
+            "hits": {**{s.value: 0 for s in ORDER}, **self.hits},
         }
 
 
@@ -190,7 +190,7 @@ def route(
         if hit is not None:
             return Route(s.slot, hit)
     if req.requires_live:
-        return Rejection(409, LIVE_GONE_MESSAGE)
+        return Rejection(409, live_gone_message(req.api))
 
     best: tuple[tuple, Session, Decision] | None = None
     for s in idle:

@@ -19,11 +19,12 @@ DEFAULT_MAX_IDS = 100_000
 DEFAULT_MAX_BYTES = 512 * 1024 * 1024
 
 
-def new_tool_id(taken: Iterable[str] = ()) -> str:
-    """`toolu_` + 32 hex characters from `secrets`, unique among `taken`."""
+def new_tool_id(taken: Iterable[str] = (), prefix: str = "toolu_") -> str:
+    """`prefix` (`toolu_` for Anthropic, `call_` for the OpenAI protocols) + 32 hex
+    characters from `secrets`, unique among `taken`."""
     taken = set(taken)
     while True:
-        tid = "toolu_" + secrets.token_hex(16)
+        tid = prefix + secrets.token_hex(16)
         if tid not in taken:
             return tid
 

@@ -31,16 +31,41 @@ ORDER = [
     CacheSource.COLD,
 ]
 
-LIVE_GONE_MESSAGE = (
-    "Anthropic continuation state is not available; retry by replaying the full messages history"
-)
+#: Per protocol (`RequestView.api`): how its errors name it, its tool ids and its history.
+#: The Anthropic and Responses wordings are ds4's, to the byte.
+APIS = {
+    "anthropic": ("Anthropic", "tool_use_id", "messages"),
+    "responses": ("Responses", "call_id", "input"),
+    "chat": ("Chat Completions", "tool_call_id", "messages"),
+}
 
 
-def unknown_id_message(tool_use_id: str) -> str:
+def live_gone_message(api: str = "anthropic") -> str:
+    name, _, history = APIS[api]
     return (
-        f"Anthropic continuation state is not available for tool_use_id {tool_use_id}; "
-        "retry by replaying the full messages history"
+        f"{name} continuation state is not available; retry by replaying the full {history} history"
     )
+
+
+def unknown_id_message(tool_use_id: str, api: str = "anthropic") -> str:
+    name, id_name, history = APIS[api]
+    return (
+        f"{name} continuation state is not available for {id_name} {tool_use_id}; "
+        f"retry by replaying the full {history} history"
+    )
+
+
+LIVE_GONE_MESSAGE = live_gone_message("anthropic")
+
+
+def source_label(source: CacheSource, api: str = "anthropic") -> str:
+    """The name a decision is counted and logged under: the protocol-specific live paths are
+    told apart (`responses-tool-output`, `chat-visible`, …), as ds4's trace does."""
+    if source == CacheSource.LIVE_TOOL:
+        return f"{api}-tool-output"
+    if source == CacheSource.THINKING_VISIBLE and api != "anthropic":
+        return f"{api}-visible"
+    return source.value
 
 
 @dataclass(frozen=True)
@@ -84,6 +109,7 @@ class RequestView:
     tail_ids: tuple[str, ...] = ()  # ids of the trailing tool_result run
     tail: tuple[Segment, ...] | None = None  # render of that run, after the assistant's EOS
     requires_live: bool = False  # some tool_result id has no replayed tool_use
+    api: str = "anthropic"  # the protocol: the wording of its errors (`APIS`)
 
 
 @dataclass(frozen=True)

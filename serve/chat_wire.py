@@ -1,0 +1,118 @@
+"""OpenAI Chat Completions shapes: the `chat.completion` object and the
+`chat.completion.chunk` stream (a role chunk, `reasoning_content` / `content` deltas,
+`tool_calls` deltas — header, then argument fragments — a finish chunk, an optional usage
+chunk, `data: [DONE]`). Pure functions of engine results and events.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ds4jax.chat.dsml_parse import TextDelta, ThinkingDelta, ToolInputDelta, ToolUseStart
+from ds4jax.decoding import Result, ToolCallStarted
+from serve.responses_wire import arguments_json
+
+FINISH = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "cancelled": "stop",
+    "max_tokens": "length",
+    "tool_use": "tool_calls",
+}
+
+
+def new_completion_id() -> str:
+    return "chatcmpl-" + secrets.token_hex(12)
+
+
+def usage(result: Result) -> dict[str, Any]:
+    prompt = result.cached + result.prefilled
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": result.output_tokens,
+        "total_tokens": prompt + result.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.cached},
+    }
+
+
+def final_completion(cid: str, model: str, result: Result, created: int) -> dict[str, Any]:
+    m = result.message
+    message: dict[str, Any] = {"role": "assistant", "content": m.content or None}
+    if m.reasoning is not None:
+        message["reasoning_content"] = m.reasoning
+    calls = [
+        {"id": tid, "type": "function",
+         "function": {"name": c.name, "arguments": arguments_json(c.arguments)}}
+        for c, tid in zip(m.tool_calls, result.tool_ids, strict=False)
+    ]  # fmt: skip
+    if calls:
+        message["tool_calls"] = calls
+    choice = {"index": 0, "message": message, "finish_reason": FINISH[result.finish]}
+    return {
+        "id": cid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage(result),
+    }
+
+
+def data(obj: dict[str, Any] | str) -> bytes:
+    text = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {text}\n\n".encode()
+
+
+KEEPALIVE = b": keepalive\n\n"
+DONE = data("[DONE]")
+
+
+@dataclass
+class ChatStream:
+    cid: str
+    model: str
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    call_ids: dict[int, str] = field(default_factory=dict)
+    call_slot: dict[int, int] = field(default_factory=dict)  # call index → tool_calls index
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return data({"id": self.cid, "object": "chat.completion.chunk", "created": self.created,
+                     "model": self.model,
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                  "logprobs": None}]})  # fmt: skip
+
+    def start(self) -> list[bytes]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def feed(self, ev: Any) -> list[bytes]:
+        if isinstance(ev, ThinkingDelta) and ev.text:
+            return [self._chunk({"reasoning_content": ev.text})]
+        if isinstance(ev, TextDelta) and ev.text:
+            return [self._chunk({"content": ev.text})]
+        if isinstance(ev, ToolCallStarted):
+            self.call_ids[ev.index] = ev.id
+        elif isinstance(ev, ToolUseStart):
+            slot = self.call_slot.setdefault(ev.index, len(self.call_slot))
+            head = {"index": slot, "id": self.call_ids.get(ev.index, ""), "type": "function",
+                    "function": {"name": ev.name, "arguments": ""}}  # fmt: skip
+            return [self._chunk({"tool_calls": [head]})]
+        elif isinstance(ev, ToolInputDelta) and ev.partial_json and ev.index in self.call_slot:
+            frag = {"index": self.call_slot[ev.index], "function": {"arguments": ev.partial_json}}
+            return [self._chunk({"tool_calls": [frag]})]
+        return []
+
+    def finish(self, result: Result) -> list[bytes]:
+        out = [self._chunk({}, FINISH[result.finish])]
+        if self.include_usage:
+            out.append(data({"id": self.cid, "object": "chat.completion.chunk",
+                             "created": self.created, "model": self.model, "choices": [],
+                             "usage": usage(result)}))  # fmt: skip
+        return [*out, DONE]
+
+    def fail(self, message: str) -> list[bytes]:
+        return [data({"error": {"message": message, "type": "server_error"}}), DONE]
