@@ -254,6 +254,7 @@ TABLES: dict[str, list[tuple[str, Callable[[Row], list[Row]]]]] = {
                  ("subagent", sessions_subagent_rows), ("memory", sessions_memory_rows)],
     "batching": [("throughput", batching_throughput_rows), ("ttft", batching_ttft_rows),
                  ("latency", batching_latency_rows)],
+    "responses": [("ttft", continuation_rows)],
 }  # fmt: skip
 
 

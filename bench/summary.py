@@ -207,6 +207,22 @@ def batching(rep: Row) -> list[Row]:
     return out
 
 
+def responses(rep: Row) -> list[Row]:
+    last = rep["rows"][-1]
+    at = f"{last['history_tokens']} history tokens, Codex-shaped"
+    return [
+        ratio(
+            "responses",
+            f"cold / {path} TTFT",
+            at,
+            last["cold"]["ttft_s"],
+            last[path]["ttft_s"],
+            "s",
+        )
+        for path in ("live_call_id", "visible_prefix")
+    ]
+
+
 PARTS = {
     "prompt": prompt,
     "model": model,
@@ -215,6 +231,7 @@ PARTS = {
     "kernels": kernels,
     "sessions": sessions,
     "batching": batching,
+    "responses": responses,
 }
 
 

@@ -199,6 +199,17 @@ BATCHING = {
                 {"streams": 8, "steps": 60, "p50_ms": 12.0, "p99_ms": 15.0}],
 }  # fmt: skip
 
+RESPONSES = {
+    "rows": [
+        {
+            "history_tokens": 20400,
+            "live_call_id": _path("responses-tool-output", 18, 0.05),
+            "visible_prefix": _path("responses-visible", 18, 0.04),
+            "cold": _path("none", 20400, 8.0),
+        }
+    ]
+}
+
 RESULTS = {
     "prompt": PROMPT,
     "model": MODEL,
@@ -207,6 +218,7 @@ RESULTS = {
     "kernels": KERNELS,
     "sessions": SESSIONS,
     "batching": BATCHING,
+    "responses": RESPONSES,
 }
 
 
@@ -250,6 +262,7 @@ def test_every_part_writes_stamped_csvs_and_its_plots(written) -> None:
         "sessions-STAMP-retry.csv",
         "sessions-STAMP-subagent.csv",
     ]
+    assert names["responses"] == ["responses-STAMP-ttft.csv"]
     for path in (p for paths in written.values() for p in paths if p.suffix == ".png"):
         data = path.read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 5000, path
@@ -296,6 +309,8 @@ def _value(rows: list[dict[str, Any]], name: str, at: str) -> float | None:
 
 def test_summary_ratios_are_this_runs_measurements() -> None:
     rows = summary.summary_rows(RESULTS)
+    assert _value(rows, "cold / live_call_id TTFT", "20400 ") == 160.0
+    assert _value(rows, "cold / visible_prefix TTFT", "20400 ") == 200.0
     assert _value(rows, "cold / live_tool TTFT", "1000 ") == 20.0
     assert _value(rows, "cold / live_tool TTFT", "4000 ") == 100.0
     assert _value(rows, "cold / disk TTFT", "4000 ") == 32.0
