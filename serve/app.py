@@ -289,11 +289,9 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
     async def _openai_stream(job: Job, stream: Any, keepalive: bytes) -> Response:
         """An OpenAI SSE stream: `stream` (`ResponsesStream`, `ChatStream`) projects the
         engine's events; SSE comments keep the connection alive through long prefills."""
-        first = await _next(job, 1.0)  # as `_stream`: a 409 can still be an HTTP status
-        while first is not None and first[0] in ("queued", "progress"):
-            first = await _next(job, 1.0)
-        if first is not None and first[0] == "error":
-            return _engine_error(first[1])
+        first = await _first(job)
+        if isinstance(first, Response):
+            return first
 
         async def frames():
             finished = False
@@ -325,10 +323,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
                 if not finished:  # the client went away (or the stream broke): stop work
                     job.cancel.set()
 
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        resp = Response(frames(), content_type="text/event-stream", headers=headers)
-        resp.timeout = None
-        return resp
+        return _sse(frames())
 
     async def _next(job: Job, timeout: float | None) -> tuple[str, Any] | None:
         # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation
@@ -352,6 +347,22 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
             job.cancel.set()
             raise
 
+    async def _first(job: Job) -> tuple[str, Any] | Response | None:
+        """Wait briefly for the decision so a 409 can still be a real HTTP status (the
+        response); a request that stays queued longer gets its stream (None) right away."""
+        first = await _next(job, 1.0)
+        while first is not None and first[0] in ("queued", "progress"):
+            first = await _next(job, 1.0)
+        if first is not None and first[0] == "error":
+            return _engine_error(first[1])
+        return first
+
+    def _sse(frames: Any) -> Response:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        resp = Response(frames, content_type="text/event-stream", headers=headers)
+        resp.timeout = None
+        return resp
+
     def _engine_error(err: Exception) -> Response:
         if isinstance(err, EngineError):
             return _err(err.status, err.message, err.error_type)
@@ -361,13 +372,9 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
         return _err(500, f"generation failed: {type(err).__name__}")
 
     async def _stream(job: Job, msg_id: str, model_name: str) -> Response:
-        # Wait briefly for the decision so a 409 can still be a real HTTP status; a request
-        # that stays queued longer gets its stream (and pings) right away.
-        first = await _next(job, 1.0)
-        while first is not None and first[0] in ("queued", "progress"):
-            first = await _next(job, 1.0)
-        if first is not None and first[0] == "error":
-            return _engine_error(first[1])
+        first = await _first(job)
+        if isinstance(first, Response):
+            return first
 
         async def frames():
             projector = protocol.StreamProjector()
@@ -424,10 +431,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
                 if not finished:  # the client went away (or the stream broke): stop work
                     job.cancel.set()
 
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        resp = Response(frames(), content_type="text/event-stream", headers=headers)
-        resp.timeout = None
-        return resp
+        return _sse(frames())
 
     app.worker = worker  # type: ignore[attr-defined]
     app.server_config = config  # type: ignore[attr-defined]

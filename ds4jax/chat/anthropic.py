@@ -357,20 +357,14 @@ def parse_messages_request(
         raise _fail("max_tokens", "is required")
     if max_tokens is not None and max_tokens < 0:
         raise _fail("max_tokens", "must be >= 0")
-    stops = body.get("stop_sequences") or []
-    if isinstance(stops, str):
-        stops = [stops]
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise _fail("stop_sequences", "must be a list of strings")
-    model = body.get("model", "deepseek-v4-flash")
-    if not isinstance(model, str):
-        raise _fail("model", "must be a string")
+    stops = stop_strings(body, "stop_sequences")
+    model = model_of(body)
     return MessagesRequest(
         conversation=Conversation(messages, thinking=thinking, think_max=think_max),
         model=model,
         max_tokens=max_tokens,
         stream=bool(body.get("stream", False)),
-        stop_sequences=[s for s in stops if s],
+        stop_sequences=stops,
         temperature=number(body, "temperature", float),
         top_p=number(body, "top_p", float),
         top_k=number(body, "top_k", int),
@@ -378,6 +372,23 @@ def parse_messages_request(
         thinking_budget=budget,
         user_id=_user_id(body.get("metadata")),
     )
+
+
+def stop_strings(body: dict[str, Any], key: str) -> list[str]:
+    """A string or a list of strings (the empty ones dropped)."""
+    stops = body.get(key) or []
+    if isinstance(stops, str):
+        stops = [stops]
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _fail(key, "must be a string or a list of strings")
+    return [s for s in stops if s]
+
+
+def model_of(body: dict[str, Any]) -> str:
+    model = body.get("model", "deepseek-v4-flash")
+    if not isinstance(model, str):
+        raise _fail("model", "must be a string")
+    return model
 
 
 def _user_id(metadata: Any) -> str | None:

@@ -11,28 +11,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ds4jax.chat.anthropic import MessagesRequest, RequestError, number, thinking_controls
+from ds4jax.chat.anthropic import (
+    MessagesRequest,
+    RequestError,
+    model_of,
+    number,
+    stop_strings,
+    thinking_controls,
+)
 from ds4jax.chat.conversation import Conversation, ToolCall
-from ds4jax.chat.openai_items import Builder, Tools, arguments_of, fail, parts_text, tool_choice
+from ds4jax.chat.openai_items import Builder, arguments_of, fail, offered, parse_tools, parts_text
 
 
 @dataclass
 class ChatRequest:
     request: MessagesRequest
     include_usage: bool = False  # `stream_options.include_usage`: a final usage chunk
-
-
-def _tools(raw: Any) -> Tools:
-    tools = Tools()
-    if raw is None:
-        return tools
-    if not isinstance(raw, list):
-        raise fail("tools", "must be a list")
-    for i, t in enumerate(raw):
-        if not isinstance(t, dict) or t.get("type", "function") != "function":
-            raise fail(f"tools[{i}]", "must be a function tool")
-        tools.add(t.get("function"), f"tools[{i}].function")
-    return tools
 
 
 def _assistant(m: dict[str, Any], where: str, b: Builder) -> None:
@@ -65,12 +59,7 @@ def parse_chat_request(body: Any, *, max_context: int | None = None) -> ChatRequ
         raise RequestError("missing messages")
     if body.get("n") not in (None, 1):
         raise fail("n", "only 1 is supported")
-    tools = _tools(body.get("tools"))
-    choice = tool_choice(body.get("tool_choice"), tools.schemas)
-    schemas = [] if choice == "none" else tools.schemas
-    choice = None if choice == "none" or not schemas else choice
-    if body.get("parallel_tool_calls") is False and schemas:
-        choice = {**(choice or {"type": "auto"}), "disable_parallel_tool_use": True}
+    schemas, choice = offered(parse_tools(body.get("tools")).schemas, body)
 
     controls = {k: body[k] for k in ("thinking", "reasoning_effort", "model") if k in body}
     if isinstance(body.get("think"), bool):
@@ -102,22 +91,14 @@ def parse_chat_request(body: Any, *, max_context: int | None = None) -> ChatRequ
         max_tokens = number(body, "max_tokens", int)
     if max_tokens is not None and max_tokens < 1:
         raise fail("max_tokens", "must be >= 1")
-    stops = body.get("stop") or []
-    if isinstance(stops, str):
-        stops = [stops]
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise fail("stop", "must be a string or a list of strings")
-    model = body.get("model", "deepseek-v4-flash")
-    if not isinstance(model, str):
-        raise fail("model", "must be a string")
     options = body.get("stream_options")
     hint = body.get("prompt_cache_key") or body.get("user")
     req = MessagesRequest(
         conversation=Conversation(b.finish(schemas), thinking=thinking, think_max=think_max),
-        model=model,
+        model=model_of(body),
         max_tokens=max_tokens,
         stream=bool(body.get("stream", False)),
-        stop_sequences=[s for s in stops if s],
+        stop_sequences=stop_strings(body, "stop"),
         temperature=number(body, "temperature", float),
         top_p=number(body, "top_p", float),
         top_k=number(body, "top_k", int),

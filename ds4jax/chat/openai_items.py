@@ -163,6 +163,46 @@ class Builder:
         return out
 
 
+def parse_tools(raw: Any) -> Tools:
+    """Function tools in either protocol's shape (Chat's `{"type": "function", "function":
+    {…}}`, Responses' flat one), Responses namespaces flattened; any other type is a hosted
+    tool (`web_search`, …) the server cannot run: left out of the prompt."""
+    tools = Tools()
+    if raw is None:
+        return tools
+    if not isinstance(raw, list):
+        raise fail("tools", "must be a list")
+    for i, t in enumerate(raw):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise fail(where, "must be an object")
+        if t.get("type", "function") == "function":
+            fn = t.get("function")
+            if isinstance(fn, dict):
+                tools.add(fn, f"{where}.function")
+            else:
+                tools.add(t, where)
+        elif t.get("type") == "namespace":
+            ns, inner = t.get("name"), t.get("tools")
+            if not isinstance(ns, str) or not isinstance(inner, list):
+                raise fail(where, "a namespace needs a name and a list of tools")
+            for j, fn in enumerate(inner):
+                if isinstance(fn, dict) and fn.get("type", "function") == "function":
+                    tools.add(fn, f"{where}.tools[{j}]", namespace=ns)
+    return tools
+
+
+def offered(tools: list[ToolSchema], body: dict[str, Any]) -> tuple[list[ToolSchema], Any]:
+    """(the tools the prompt declares, the engine's tool_choice) from `tool_choice` and
+    `parallel_tool_calls`: `none` hides the tools, as on the Anthropic side."""
+    choice = tool_choice(body.get("tool_choice"), tools)
+    if choice == "none" or not tools:
+        return [], None
+    if body.get("parallel_tool_calls") is False:
+        choice = {**(choice or {"type": "auto"}), "disable_parallel_tool_use": True}
+    return tools, choice
+
+
 def tool_choice(choice: Any, tools: list[ToolSchema], where: str = "tool_choice") -> Any:
     """The OpenAI `tool_choice` as the engine's (Anthropic-shaped) one, or "none"."""
     if choice is None or choice == "auto":

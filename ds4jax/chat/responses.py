@@ -16,9 +16,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ds4jax.chat.anthropic import MessagesRequest, RequestError, number, thinking_controls
+from ds4jax.chat.anthropic import (
+    MessagesRequest,
+    RequestError,
+    model_of,
+    number,
+    thinking_controls,
+)
 from ds4jax.chat.conversation import Conversation, ToolCall
-from ds4jax.chat.openai_items import Builder, Tools, arguments_of, fail, parts_text, tool_choice
+from ds4jax.chat.openai_items import Builder, arguments_of, fail, offered, parse_tools, parts_text
 
 log = logging.getLogger("ds4jax.serve")
 
@@ -106,29 +112,6 @@ def _input(raw: Any, b: Builder, unseal: Callable[[str], str | None]) -> None:
             raise fail(f"{where}.type", f"unsupported input item type {kind!r}")
 
 
-def _tools(raw: Any) -> Tools:
-    tools = Tools()
-    if raw is None:
-        return tools
-    if not isinstance(raw, list):
-        raise fail("tools", "must be a list")
-    for i, t in enumerate(raw):
-        where = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise fail(where, "must be an object")
-        if t.get("type") == "function":
-            tools.add(t, where)
-        elif t.get("type") == "namespace":
-            ns, inner = t.get("name"), t.get("tools")
-            if not isinstance(ns, str) or not isinstance(inner, list):
-                raise fail(where, "a namespace needs a name and a list of tools")
-            for j, fn in enumerate(inner):
-                if isinstance(fn, dict) and fn.get("type", "function") == "function":
-                    tools.add(fn, f"{where}.tools[{j}]", namespace=ns)
-        # any other type is a hosted tool (web_search, …): left out of the prompt
-    return tools
-
-
 def parse_responses_request(
     body: Any,
     *,
@@ -141,12 +124,8 @@ def parse_responses_request(
     for key in ("previous_response_id", "conversation"):
         if body.get(key) is not None:
             raise RequestError(f"{key} is not supported; replay full input instead")
-    tools = _tools(body.get("tools"))
-    choice = tool_choice(body.get("tool_choice"), tools.schemas)
-    schemas = [] if choice == "none" else tools.schemas
-    choice = None if choice == "none" or not schemas else choice
-    if body.get("parallel_tool_calls") is False and schemas:
-        choice = {**(choice or {"type": "auto"}), "disable_parallel_tool_use": True}
+    tools = parse_tools(body.get("tools"))
+    schemas, choice = offered(tools.schemas, body)
 
     reasoning = body.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, dict):
@@ -169,13 +148,10 @@ def parse_responses_request(
     max_tokens = number(body, "max_output_tokens", int)
     if max_tokens is not None and max_tokens < 1:
         raise fail("max_output_tokens", "must be >= 1")
-    model = body.get("model", "deepseek-v4-flash")
-    if not isinstance(model, str):
-        raise fail("model", "must be a string")
     key = body.get("prompt_cache_key")
     req = MessagesRequest(
         conversation=Conversation(b.finish(schemas), thinking=thinking, think_max=think_max),
-        model=model,
+        model=model_of(body),
         max_tokens=max_tokens,
         stream=bool(body.get("stream", False)),
         temperature=number(body, "temperature", float),
