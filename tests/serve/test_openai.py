@@ -18,8 +18,17 @@ from hypothesis import strategies as st
 from quart import Quart
 
 from ds4jax.engine import Engine
+from serve.app import ServerConfig
 from serve.worker import EngineWorker
-from tests.serve.conftest import BASE, MODEL, Gate, assert_cold_equivalent, force, wait_until
+from tests.serve.conftest import (
+    BASE,
+    MODEL,
+    Gate,
+    assert_cold_equivalent,
+    force,
+    make_app,
+    wait_until,
+)
 from tests.serve.test_errors import json_values
 
 pytestmark = pytest.mark.anyio
@@ -232,11 +241,42 @@ async def test_chat_completions_tool_loop_stream_and_usage(
     args = "".join(t.function.arguments or "" for d in deltas for t in d.tool_calls or [])
     assert len(heads) == 1 and heads[0].id.startswith("call_") and args == '{"command":"ls"}'
 
+    # a chat agent's next question after a final answer, reasoning_content not replayed:
+    # the visible transcript the turn left matches (ds4's chat thinking-visible path)
+    answer = [{"role": "user", "content": "hi"}]
+    done = await oai.chat.completions.create(model=MODEL, messages=answer, tools=CHAT_TOOLS,
+                                             extra_body=force("Greet.</think>Hello."))  # fmt: skip
+    answer += [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "and?"}]
+    with caplog.at_level(logging.INFO, logger="ds4jax.engine"):
+        again = await oai.chat.completions.create(model=MODEL, messages=answer, tools=CHAT_TOOLS,
+                                                  max_tokens=1, extra_body=force("x"))  # fmt: skip
+    reused = done.usage.prompt_tokens + done.usage.completion_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == reused
+    assert f"chat live continuation match=visible-prefix ids=0 cached={reused}" in caplog.text
+
     with pytest.raises(openai.BadRequestError) as info:
         await oai.chat.completions.create(model=MODEL, messages=[
             {"role": "user", "content": "x"},
             {"role": "tool", "tool_call_id": "call_zz", "content": "y"}])  # fmt: skip
     assert "tool_call_id call_zz" in info.value.body["message"]
+
+
+async def test_openai_paths_answer_errors_in_the_openai_shape(worker: EngineWorker) -> None:
+    app = make_app(worker, ServerConfig(api_key="secret"))
+    http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url=BASE)
+    async with openai.AsyncOpenAI(base_url=BASE + "/v1", api_key="wrong", http_client=http,
+                                  max_retries=0) as c:  # fmt: skip
+        with pytest.raises(openai.AuthenticationError) as info:
+            await c.responses.create(model=MODEL, input="hi")
+        assert info.value.body["message"] == "invalid x-api-key"
+        with pytest.raises(openai.AuthenticationError):
+            await c.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}]
+            )
+    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url=BASE) as raw:
+        resp = await raw.post("/v1/responses", content=b"{", headers={"x-api-key": "secret"})
+        assert resp.status_code == 400 and set(resp.json()["error"]) == {
+            "message", "type", "param", "code"}  # fmt: skip
 
 
 # ---------------------------------------------------------------------- fuzz
