@@ -108,7 +108,7 @@ async def test_the_sdk_authenticates_with_x_api_key_and_with_bearer(
         ("GET", "/v1/nope"),
         ("POST", "/v1/complete"),
         ("GET", "/v1/messages"),
-        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
         ("DELETE", "/v1/models"),
     ],
 )
