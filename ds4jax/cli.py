@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +62,13 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """(config, params, tokenizer) from --model DIR|NAME or --config NAME [--seed S]."""
+def _load_model(args: argparse.Namespace) -> tuple[Any, Any, Any, Callable[[Any], Any]]:
+    """(config, params, tokenizer, place) from --model DIR|NAME or --config NAME [--seed S],
+    the params sharded over `--mesh`; `place` puts a state on the same devices."""
+    import jax
+
     from ds4jax.model.checkpoint import load_model
+    from ds4jax.model.sharding import mesh_for, replicated, shard_params
 
     cfg, params, tokenizer, _ = load_model(
         args.model, args.config, args.seed, attention_impl=args.attention_impl
@@ -72,7 +76,12 @@ def _load_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     quant = getattr(args, "quant_sim", None)
     if quant is not None:
         cfg = cfg.replace(quant_sim=quant == "on")
-    return cfg, params, tokenizer
+    mesh = mesh_for(args.mesh, cfg)
+    if mesh is None:
+        return cfg, params, tokenizer, lambda state: state
+    print(f"mesh {dict(mesh.shape)}", file=sys.stderr)
+    params = shard_params(params, cfg, mesh)
+    return cfg, params, tokenizer, lambda state: jax.device_put(state, replicated(mesh))
 
 
 def _prompt_ids(args: argparse.Namespace, cfg: Any, tokenizer: Any) -> list[int]:
@@ -108,10 +117,10 @@ def cmd_dump_logits(args: argparse.Namespace) -> int:
     from ds4jax.model.forward import CHUNK_SIZES, prefill
     from ds4jax.model.state import init_state
 
-    cfg, params, tokenizer = _load_model(args)
+    cfg, params, tokenizer, place = _load_model(args)
     ids = _prompt_ids(args, cfg, tokenizer)
     sizes = (args.chunk,) if args.chunk else CHUNK_SIZES
-    state = init_state(cfg, len(ids) + 1)
+    state = place(init_state(cfg, len(ids) + 1))
     _, logits = prefill(
         params, state, ids, cfg, chunk_sizes=sizes, all_logits=True, progress=_progress
     )
@@ -131,9 +140,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ds4jax.model.state import init_state
     from ds4jax.sampling import sample
 
-    cfg, params, tokenizer = _load_model(args)
+    cfg, params, tokenizer, place = _load_model(args)
     ids = _prompt_ids(args, cfg, tokenizer)
-    state = init_state(cfg, args.ctx or len(ids) + args.n + 1)
+    state = place(init_state(cfg, args.ctx or len(ids) + args.n + 1))
     t0 = time.perf_counter()
     state, _ = prefill(params, state, ids, cfg, progress=_progress)
     state.logits.block_until_ready()
@@ -227,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--out", required=True, help="output prefix (writes PREFIX.model/.vocab)")
     tp.set_defaults(func=cmd_tokenizer_train)
 
+    from ds4jax.model.sharding import MESH_HELP
+
     def with_model(sp: argparse.ArgumentParser) -> None:
         src = sp.add_mutually_exclusive_group(required=True)
         src.add_argument(
@@ -236,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
         src.add_argument("--config", help="named config with random weights, e.g. tiny")
         sp.add_argument("--seed", type=int, default=0, help="weights seed with --config")
         add_attention_impl(sp)
+        sp.add_argument("--mesh", default=None, help=MESH_HELP)
 
     sp = sub.add_parser("dump-logits", help="write float32 logits for every prompt position")
     with_model(sp)

@@ -16,6 +16,7 @@ from ds4jax.cli import add_attention_impl
 from ds4jax.config import CONFIG_DIR
 from ds4jax.continuation.reasoning_seal import ReasoningSeal
 from ds4jax.engine import Engine
+from ds4jax.model.sharding import MESH_HELP
 from serve.app import ServerConfig, create_app
 from serve.worker import EngineWorker
 
@@ -54,9 +55,7 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
                     "per session)")  # fmt: skip
     sp.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                     help="requests decoded together in one step (1, 2, 4 or 8)")  # fmt: skip
-    sp.add_argument("--mesh", default=None,
-                    help="expert=E,tensor=T: shard the params over a device mesh (default: "
-                    "every local device on the tensor axis where the shapes divide)")  # fmt: skip
+    sp.add_argument("--mesh", default=None, help=MESH_HELP)
     sp.add_argument("--kv-disk-dir", default=None, help="disk checkpoints (disk issue)")
     sp.add_argument("--kv-disk-space-mb", type=int, default=4096)
     sp.add_argument("--trace", default=None, help="append JSON lines per request to FILE")
@@ -92,10 +91,10 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
         raise SystemExit("ds4jax serve: --sessions must be at least 1")
     if not 1 <= args.max_batch <= 8:
         raise SystemExit("ds4jax serve: --max-batch must be between 1 and 8")
-    from ds4jax.model.sharding import default_mesh, parse_mesh, shard_params
+    from ds4jax.model.sharding import mesh_for, shard_params
 
     try:
-        mesh = parse_mesh(args.mesh) if args.mesh else default_mesh(cfg)
+        mesh = mesh_for(args.mesh, cfg)
     except ValueError as err:
         raise SystemExit(f"ds4jax serve: --mesh: {err}") from err
     if mesh is not None:

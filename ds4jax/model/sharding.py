@@ -132,3 +132,19 @@ def default_mesh(cfg: Config, devices: list[Any] | None = None) -> Mesh | None:
             if rules.mesh_axis(logical) == TENSOR_AXIS and dim % n:
                 return None
     return make_mesh(1, n, devices)
+
+
+MESH_HELP = (
+    "expert=E,tensor=T: shard the params over a device mesh; 'none': one device (default: "
+    "every local device on the tensor axis where the shapes divide)"
+)
+
+
+def mesh_for(spec: str | None, cfg: Config) -> Mesh | None:
+    """What a `--mesh` flag asks for: None (the flag left out) → `default_mesh`; "none" →
+    one device, no mesh; else `parse_mesh`."""
+    if spec is None:
+        return default_mesh(cfg)
+    if spec.strip().lower() == "none":
+        return None
+    return parse_mesh(spec)

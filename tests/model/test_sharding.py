@@ -103,6 +103,20 @@ SCRIPT = textwrap.dedent(
     dm = default_mesh(small_config(num_heads=8, index_heads=16))
     assert dm is not None and dict(dm.shape) == {"expert": 1, "tensor": 8}
     assert default_mesh(small_config(num_heads=4)) is None  # 4 heads do not divide by 8
+
+    # the CLI takes the same flag: dump-logits on the mesh equals one device
+    import os, tempfile
+    from ds4jax import cli
+
+    d = tempfile.mkdtemp()
+    for name, spec in (("one", "none"), ("mesh", "expert=2,tensor=4")):
+        argv = ["dump-logits", "--config", "tiny", "--prompt", "hello there", "--quant-sim",
+                "off", "--mesh", spec, "--out", os.path.join(d, name + ".npy")]
+        assert cli.main(argv) == 0
+    a, b = (np.load(os.path.join(d, n + ".npy")) for n in ("one", "mesh"))
+    cerr = float(np.abs(a - b).max())
+    print("cli_max_err", cerr)
+    assert cerr <= 1e-5, cerr
     """
 )
 
@@ -121,6 +135,7 @@ def test_eight_device_mesh_matches_one_device() -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "batch_max_err" in out.stdout and "engine_max_err" in out.stdout
+    assert "cli_max_err" in out.stdout
 
 
 def test_logical_axes_put_experts_and_heads_on_their_axes() -> None:
