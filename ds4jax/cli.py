@@ -168,6 +168,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Prints the plan; exit status 0 when it fits, 1 when it does not."""
+    from ds4jax.config import load_config
+    from ds4jax.plan import as_json, describe, plan
+
+    cfg = load_config(args.config)
+    kw = dict(devices=args.devices, hbm_gb=args.hbm_gb, ctx=args.ctx, sessions=args.sessions,
+              weights=args.weights, max_batch=args.max_batch, reserve=args.reserve)  # fmt: skip
+    plans = plan(cfg, **kw)
+    if args.json:
+        print(json.dumps({"config": args.config, **kw, "plans": as_json(plans)}))
+    else:
+        print(describe(args.config, plans, **kw))
+    return 0 if plans[0].fits else 1
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
@@ -268,6 +284,24 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--ctx", type=int, default=None, help="state capacity (default: just enough)")
     sp.add_argument("--quant-sim", choices=["on", "off"], default=None)
     sp.set_defaults(func=cmd_generate)
+
+    sp = sub.add_parser("plan", help="bytes per device and the mesh for a model, context and "
+                        "session pool on N devices (nothing is allocated)")  # fmt: skip
+    sp.add_argument("--config", default="deepseek-v4-flash", help="named config or a config.json")
+    sp.add_argument("--devices", type=int, required=True)
+    sp.add_argument("--hbm-gb", type=float, required=True, help="memory per device, GB")
+    sp.add_argument("--ctx", type=int, default=8192, help="context per session (serve --ctx)")
+    sp.add_argument("--sessions", type=int, default=4, help="serve --sessions")
+    sp.add_argument("--weights", choices=["fp8", "bf16", "f32"], default="fp8")
+    sp.add_argument("--max-batch", type=int, default=8, help="serve --max-batch")
+    sp.add_argument(
+        "--reserve",
+        type=float,
+        default=0.1,
+        help="share of each device kept for activations and XLA (default 0.1)",
+    )
+    sp.add_argument("--json", action="store_true", help="one JSON object, every mesh")
+    sp.set_defaults(func=cmd_plan)
 
     sp = sub.add_parser("convert", help="checkpoint (transformers/official/Orbax) → Orbax")
     sp.add_argument("src")

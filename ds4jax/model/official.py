@@ -438,23 +438,30 @@ def _entries(params: Params, cfg: Config, fp8_head: bool) -> list[tuple[str, str
 
     def visit(path: tuple, leaf: Any) -> None:
         p = path_name(path)
-        rest = p.split(".", 2)[-1] if p.startswith("layers.") else p
-        if rest in names.EXPERT_LEAVES:
+        kind = leaf_kind(p, fp8_head)
+        if kind == "fp4":
             for e in range(cfg.num_experts):
                 out.append((names.expert_candidates(p, e)[0], "fp4", leaf, e))
             return
-        kind = "bf16"
-        if rest in FP8_LEAVES or (p == "head" and fp8_head):
-            kind = "fp8"
-        elif rest.endswith("tid2eid"):
-            kind = "int"
         out.append((names.candidates(p)[0], kind, leaf, -1))
 
     jax.tree_util.tree_map_with_path(visit, params)
     return out
 
 
-def _nbytes(kind: str, shape: tuple[int, ...]) -> int:
+def leaf_kind(path: str, fp8_head: bool = False) -> str:
+    """How the release stores a parameter (by its params path): "fp4" (routed experts),
+    "fp8" (block-scaled linears), "int" (tid2eid) or "bf16" (the rest)."""
+    rest = path.split(".", 2)[-1] if path.startswith("layers.") else path
+    if rest in names.EXPERT_LEAVES:
+        return "fp4"
+    if rest in FP8_LEAVES or (path == "head" and fp8_head):
+        return "fp8"
+    return "int" if rest.endswith("tid2eid") else "bf16"
+
+
+def stored_bytes(kind: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of this kind and shape with its scales (the release's own sizes)."""
     n = math.prod(shape)
     if kind == "fp8":
         return n + math.prod(_blocks(shape, FP8_BLOCK))  # type: ignore[arg-type]
@@ -490,7 +497,7 @@ def write_official_checkpoint(
     total = 0
     for ent in entries:
         shape = tuple(ent[2].shape[1:] if ent[3] >= 0 else ent[2].shape)
-        nb = _nbytes(ent[1], shape)
+        nb = stored_bytes(ent[1], shape)
         if shards[-1] and size + nb > shard_bytes:
             shards.append([])
             size = 0

@@ -79,18 +79,25 @@ def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
     return (None,) * ndim
 
 
-def param_shardings(cfg: Config, mesh: Mesh, rules: ShardingRules | None = None) -> Params:
+def mesh_axes(
+    path: str, shape: tuple[int, ...], sizes: dict[str, int], rules: ShardingRules | None = None
+) -> tuple[str | None, ...]:
+    """The mesh axis each dimension of a parameter is split over (None: replicated), for a
+    mesh of these axis `sizes`: its logical axis's, when the dimension divides."""
     rules = rules or ShardingRules()
-    shapes = param_shapes(cfg)
+    axes = []
+    for dim, logical in zip(shape, logical_axes(path, len(shape)), strict=True):
+        ax = rules.mesh_axis(logical)
+        axes.append(ax if ax is not None and dim % sizes[ax] == 0 else None)
+    return tuple(axes)
 
+
+def param_shardings(cfg: Config, mesh: Mesh, rules: ShardingRules | None = None) -> Params:
     def spec(path: tuple, leaf: jax.ShapeDtypeStruct) -> NamedSharding:
-        axes = []
-        for dim, logical in zip(leaf.shape, logical_axes(path_name(path), leaf.ndim), strict=True):
-            ax = rules.mesh_axis(logical)
-            axes.append(ax if ax is not None and dim % mesh.shape[ax] == 0 else None)
+        axes = mesh_axes(path_name(path), leaf.shape, dict(mesh.shape), rules)
         return NamedSharding(mesh, PartitionSpec(*axes))
 
-    return jax.tree_util.tree_map_with_path(spec, shapes)
+    return jax.tree_util.tree_map_with_path(spec, param_shapes(cfg))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

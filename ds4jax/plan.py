@@ -1,0 +1,115 @@
+"""`ds4jax plan`: whether a model, a context and a session pool fit a set of devices, on
+paper — bytes per device for the weights, the retained session states and the batch, for
+each (expert, tensor) mesh the device count allows, and the mesh it would use.
+
+Nothing is allocated: parameter shapes come from `param_shapes`, per-device shards from the
+same sharding rules `shard_params` applies (`sharding.mesh_axes`), state sizes from
+`state.capacity_bytes`. Weights are counted as `--weights` stores them on device: `f32`,
+`bf16`, or `fp8` — the release's own formats kept resident (FP8 E4M3 linears with their
+128×128 E8M0 block scales, FP4 E2M1 routed experts with per-32 scales, the rest bf16).
+States are counted as the engine keeps them today: f32, replicated on every device — each
+session's live frontier and fork points under the default state budget (two states per
+session), the batch's `max_batch` rows, and the engine's empty template state. A
+`--reserve` share of each device is left for activations and XLA's workspace.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import jax
+
+from ds4jax.config import Config
+from ds4jax.model.official import leaf_kind, stored_bytes
+from ds4jax.model.params import param_shapes, path_name
+from ds4jax.model.sharding import EXPERT_AXIS, TENSOR_AXIS, mesh_axes
+from ds4jax.model.state import capacity_bytes
+
+WEIGHTS = ("fp8", "bf16", "f32")
+STATES_PER_SESSION = 2  # serve's default --state-budget-mb: a live frontier + a fork point
+GB = 1e9
+
+
+def weight_bytes_per_device(cfg: Config, expert: int, tensor: int, weights: str) -> int:
+    """Bytes of one device's shard of every parameter on an expert×tensor mesh."""
+    sizes = {EXPERT_AXIS: expert, TENSOR_AXIS: tensor}
+    total = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(param_shapes(cfg)):
+        name = path_name(path)
+        axes = mesh_axes(name, leaf.shape, sizes)
+        shard = tuple(d // sizes[a] if a else d for d, a in zip(leaf.shape, axes, strict=True))
+        kind = leaf_kind(name)
+        if kind == "int":
+            total += 4 * math.prod(shard)
+        elif weights == "fp8":
+            total += stored_bytes(kind, shard)
+        else:
+            total += (2 if weights == "bf16" else 4) * math.prod(shard)
+    return total
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    expert: int
+    tensor: int
+    weights_bytes: int
+    states_bytes: int  # retained: sessions and fork points
+    batch_bytes: int  # the batch rows and the empty template state
+    usable_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.states_bytes + self.batch_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.usable_bytes
+
+
+def plan(
+    cfg: Config, *, devices: int, hbm_gb: float, ctx: int, sessions: int, weights: str,
+    max_batch: int = 8, reserve: float = 0.1,
+) -> list[MeshPlan]:  # fmt: skip
+    """Every expert×tensor factorisation of `devices`, the one it would use first: the
+    smallest per-device footprint, then the most expert parallelism (fewer all-reduces)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}")
+    if devices < 1 or sessions < 1 or ctx < 1 or not 0 <= reserve < 1:
+        raise ValueError("devices, sessions and ctx must be positive, reserve in [0, 1)")
+    state = capacity_bytes(cfg, ctx)
+    usable = int(hbm_gb * GB * (1 - reserve))
+    out = []
+    for expert in (d for d in range(1, devices + 1) if devices % d == 0):
+        tensor = devices // expert
+        out.append(MeshPlan(expert, tensor, weight_bytes_per_device(cfg, expert, tensor, weights),
+                            STATES_PER_SESSION * sessions * state, (max_batch + 1) * state,
+                            usable))  # fmt: skip
+    return sorted(out, key=lambda p: (p.total_bytes, -p.expert))
+
+
+def describe(name: str, plans: list[MeshPlan], *, devices: int, hbm_gb: float, ctx: int,
+             sessions: int, weights: str, max_batch: int, reserve: float) -> str:  # fmt: skip
+    best = plans[0]
+    gb = lambda b: f"{b / GB:,.2f} GB"  # noqa: E731
+    lines = [
+        f"{name}: {devices} device(s) × {hbm_gb:g} GB, context {ctx:,}, {sessions} "
+        f"session(s), weights {weights}, batches of up to {max_batch}",
+        f"mesh: expert={best.expert},tensor={best.tensor}",
+        f"per device: weights {gb(best.weights_bytes)}; session states "
+        f"{gb(best.states_bytes)} ({STATES_PER_SESSION * sessions} states: live frontiers "
+        f"and fork points); batch {gb(best.batch_bytes)} ({max_batch} rows + the empty "
+        f"state); total {gb(best.total_bytes)} of {gb(best.usable_bytes)} usable "
+        f"({reserve:.0%} reserved)",
+        f"fits: {'yes' if best.fits else 'no'}",
+        "",
+        "expert×tensor   weights/device   total/device   fits",
+    ]
+    for p in plans:
+        lines.append(f"{p.expert:>6}×{p.tensor:<6} {gb(p.weights_bytes):>16} "
+                     f"{gb(p.total_bytes):>14}   {'yes' if p.fits else 'no'}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def as_json(plans: list[MeshPlan]) -> list[dict[str, object]]:
+    return [{**asdict(p), "total_bytes": p.total_bytes, "fits": p.fits} for p in plans]
