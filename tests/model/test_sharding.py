@@ -104,6 +104,42 @@ SCRIPT = textwrap.dedent(
     assert dm is not None and dict(dm.shape) == {"expert": 1, "tensor": 8}
     assert default_mesh(small_config(num_heads=4)) is None  # 4 heads do not divide by 8
 
+    # a disk checkpoint written by the engine on the mesh restores on one device (and the
+    # other way round): the same prompt continues from it with the same logits
+    from ds4jax.continuation.types import CacheSource
+    from ds4jax.kvstore.disk import DiskStore
+
+    def through_disk(save_params, save_mesh, load_params, load_mesh):
+        # request 1 on the save side leaves its cold checkpoint (the system prompt); a new
+        # engine on each side serves request 2 from it
+        kv = tempfile.mkdtemp()
+        def engine_on(p, mesh):
+            store = DiskStore.for_model(kv, tiny, tp, tok, max_len=256, min_tokens=16,
+                                        continued_every=0, evict=False)
+            return Engine(tiny, p, tok, store=store, mesh=mesh, **kw)
+        def request(engine, body):
+            req = engine.prepare_request(parse_messages_request(body), max_tokens=1,
+                                         sampling=SamplingParams(temperature=0.0))
+            r = engine.run(req)
+            return r, np.asarray(engine.pool.sessions[r.session].live.state.logits)
+        system = "You are a careful assistant who answers in one short sentence. " * 3
+        first = {"system": system, "messages": [{"role": "user", "content": "Hi."}],
+                 "thinking": {"type": "disabled"}}
+        request(engine_on(save_params, save_mesh), first)
+        second = dict(first, messages=[{"role": "user", "content": "Again."}])
+        out = []
+        for p, mesh in ((save_params, save_mesh), (load_params, load_mesh)):
+            r, logits = request(engine_on(p, mesh), second)
+            assert r.source == CacheSource.DISK and r.cached > 16, (r.source, r.cached)
+            out.append(logits)
+        return float(np.abs(out[0] - out[1]).max())
+
+    import tempfile
+    tp8 = shard_params(tp, tiny, m)
+    xerr = max(through_disk(tp8, m, one(tp), None), through_disk(one(tp), None, tp8, m))
+    print("cross_mesh_restore_err", xerr)
+    assert xerr <= 1e-5, xerr
+
     # the CLI takes the same flag: dump-logits on the mesh equals one device
     import os, tempfile
     from ds4jax import cli
@@ -135,7 +171,7 @@ def test_eight_device_mesh_matches_one_device() -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "batch_max_err" in out.stdout and "engine_max_err" in out.stdout
-    assert "cli_max_err" in out.stdout
+    assert "cli_max_err" in out.stdout and "cross_mesh_restore_err" in out.stdout
 
 
 def test_logical_axes_put_experts_and_heads_on_their_axes() -> None:
