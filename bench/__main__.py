@@ -9,6 +9,7 @@
     python -m bench sessions        # session pool: live rate, retry, sub-agent, memory
     python -m bench batching        # batched decode throughput, TTFT under load, latency
     python -m bench responses       # TTFT of a Codex-shaped tool turn: call_id, visible, cold
+    python -m bench llamacpp        # llama.cpp beside ds4jax: logits, prefill and decode
     python -m bench layers          # where ds4jax's time goes inside one chunk
     python -m bench --quick         # small sizes: a smoke run
 
@@ -27,7 +28,7 @@ import time
 from typing import Any
 
 PARTS = ("prompt", "model", "continuation", "disk", "kernels", "sessions", "batching",
-         "responses", "layers")  # fmt: skip
+         "responses", "llamacpp", "layers")  # fmt: skip
 
 #: `make bench` must end within 20 minutes on 2 cores: the model part caps itself
 #: (`--budget-min`) and the layer breakdown starts no case after this.
@@ -64,6 +65,10 @@ def run_part(part: str, quick: bool, rest: list[str], t0: float) -> dict[str, An
         from bench import batching
 
         return batching.main(quick=quick)
+    if part == "llamacpp":
+        from bench import llamacpp
+
+        return llamacpp.main(quick=quick)
     if part == "responses":
         from bench import responses
 

@@ -243,6 +243,19 @@ def batching_latency_rows(rep: Row) -> list[Row]:
     return list(rep.get("latency", []))
 
 
+def llamacpp_rows(rep: Row) -> list[Row]:
+    """One row per (engine, test): tokens/s, and the ratio to ds4jax's."""
+    ours = rep.get("ds4jax_tok_s", {})
+    rows = [{"engine": "ds4jax", "test": k, "tok_per_s": v, "ds4jax_over_this": 1.0}
+            for k, v in ours.items()]  # fmt: skip
+    for variant, theirs in rep.get("llama_cpp_tok_s", {}).items():
+        for k, v in theirs.items():
+            ratio = ours[k] / v if k in ours and v else None
+            rows.append({"engine": f"llama.cpp {variant}", "test": k, "tok_per_s": v,
+                         "ds4jax_over_this": ratio})  # fmt: skip
+    return rows
+
+
 TABLES: dict[str, list[tuple[str, Callable[[Row], list[Row]]]]] = {
     "prompt": [("tokenize", prompt_rows)],
     "model": [("prefill", prefill_rows), ("decode", decode_rows), ("state-bytes", state_rows)],
@@ -255,6 +268,7 @@ TABLES: dict[str, list[tuple[str, Callable[[Row], list[Row]]]]] = {
     "batching": [("throughput", batching_throughput_rows), ("ttft", batching_ttft_rows),
                  ("latency", batching_latency_rows)],
     "responses": [("ttft", continuation_rows)],
+    "llamacpp": [("speed", llamacpp_rows)],
 }  # fmt: skip
 
 

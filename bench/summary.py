@@ -223,6 +223,18 @@ def responses(rep: Row) -> list[Row]:
     ]
 
 
+def llamacpp(rep: Row) -> list[Row]:
+    ours = rep.get("ds4jax_tok_s", {})
+    out = []
+    for variant, theirs in rep.get("llama_cpp_tok_s", {}).items():
+        for k, v in theirs.items():
+            if k in ours:
+                what = f"prefill {k[2:]} tokens" if k.startswith("pp") else f"decode {k[2:]} tokens"
+                out.append(ratio("llamacpp", f"ds4jax / llama.cpp ({variant}) tok/s", what,
+                                 ours[k], v, "tok/s"))  # fmt: skip
+    return out
+
+
 PARTS = {
     "prompt": prompt,
     "model": model,
@@ -232,6 +244,7 @@ PARTS = {
     "sessions": sessions,
     "batching": batching,
     "responses": responses,
+    "llamacpp": llamacpp,
 }
 
 

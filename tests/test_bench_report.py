@@ -8,6 +8,7 @@ import csv
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from bench import report, summary
@@ -210,6 +211,12 @@ RESPONSES = {
     ]
 }
 
+LLAMACPP = {
+    "ds4jax_tok_s": {"pp512": 2000.0, "tg32": 90.0},
+    "llama_cpp_tok_s": {"as_converted": {"pp512": 1600.0, "tg32": 150.0},
+                        "all_f32": {"pp512": 1000.0, "tg32": 60.0}},
+}  # fmt: skip
+
 RESULTS = {
     "prompt": PROMPT,
     "model": MODEL,
@@ -219,6 +226,7 @@ RESULTS = {
     "sessions": SESSIONS,
     "batching": BATCHING,
     "responses": RESPONSES,
+    "llamacpp": LLAMACPP,
 }
 
 
@@ -263,6 +271,7 @@ def test_every_part_writes_stamped_csvs_and_its_plots(written) -> None:
         "sessions-STAMP-subagent.csv",
     ]
     assert names["responses"] == ["responses-STAMP-ttft.csv"]
+    assert names["llamacpp"] == ["llamacpp-STAMP-speed.csv"]
     for path in (p for paths in written.values() for p in paths if p.suffix == ".png"):
         data = path.read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 5000, path
@@ -310,6 +319,8 @@ def _value(rows: list[dict[str, Any]], name: str, at: str) -> float | None:
 def test_summary_ratios_are_this_runs_measurements() -> None:
     rows = summary.summary_rows(RESULTS)
     assert _value(rows, "cold / live_call_id TTFT", "20400 ") == 160.0
+    assert _value(rows, "ds4jax / llama.cpp (as_converted) tok/s", "decode") == 0.6
+    assert _value(rows, "ds4jax / llama.cpp (all_f32) tok/s", "prefill 512") == 2.0
     assert _value(rows, "cold / visible_prefix TTFT", "20400 ") == 200.0
     assert _value(rows, "cold / live_tool TTFT", "1000 ") == 20.0
     assert _value(rows, "cold / live_tool TTFT", "4000 ") == 100.0
@@ -359,3 +370,16 @@ def test_run_stamps_differ_by_the_second_and_mark_quick() -> None:
     a = report.run_stamp(False, datetime(2026, 1, 31, 14, 5, 1))
     b = report.run_stamp(True, datetime(2026, 1, 31, 14, 5, 2))
     assert (a, b) == ("2026-01-31-140501", "2026-01-31-140502-quick")
+
+
+def test_llama_bench_json_and_logit_cosine() -> None:
+    from bench.llamacpp import min_cosine, parse_llama_bench
+
+    text = (
+        '[{"n_prompt": 512, "n_gen": 0, "avg_ts": 1578.5, "stddev_ts": 3.1},'
+        ' {"n_prompt": 0, "n_gen": 32, "avg_ts": 131.25, "stddev_ts": 0.5}]'
+    )
+    assert parse_llama_bench(text) == {"pp512": 1578.5, "tg32": 131.25}
+    a = np.array([[1.0, 2.0, 3.0], [1.0, 0.0, 0.0]], np.float32)
+    assert min_cosine(a, a * 2) == pytest.approx(1.0)
+    assert min_cosine(a, np.array([[1.0, 2.0, 3.0], [0.0, 1.0, 0.0]], np.float32)) == 0.0

@@ -431,7 +431,9 @@ def release_config(cfg: Config, *, mtp_layers: int = 1) -> dict[str, Any]:
     return d
 
 
-def _entries(params: Params, cfg: Config, fp8_head: bool) -> list[tuple[str, str, Any, int]]:
+def _entries(
+    params: Params, cfg: Config, fp8_head: bool, fp8_linears: bool = True
+) -> list[tuple[str, str, Any, int]]:
     """(checkpoint name, kind, leaf, expert index or -1) for every tensor to write; kind is
     "fp8", "fp4", "int" or "bf16"."""
     out: list[tuple[str, str, Any, int]] = []
@@ -439,6 +441,8 @@ def _entries(params: Params, cfg: Config, fp8_head: bool) -> list[tuple[str, str
     def visit(path: tuple, leaf: Any) -> None:
         p = path_name(path)
         kind = leaf_kind(p, fp8_head)
+        if kind == "fp8" and not fp8_linears:
+            kind = "bf16"
         if kind == "fp4":
             for e in range(cfg.num_experts):
                 out.append((names.expert_candidates(p, e)[0], "fp4", leaf, e))
@@ -479,19 +483,22 @@ def write_official_checkpoint(
     fp8_head: bool = False,
     scale_format: str = "e8m0",
     force: bool = False,
+    fp8_linears: bool = True,
 ) -> Path:
     """Quantize `params` into the release layout under `directory`: shards of at most about
     `shard_bytes`, `model.safetensors.index.json` and a release `config.json`.
 
     FP8 (128×128 blocks) for `FP8_LEAVES` (and the head when `fp8_head`), FP4 for routed
-    experts, int32 tid2eid, bf16 for the rest; `scale_format` "e8m0" or "u8". A directory
-    already holding a checkpoint is refused unless `force`."""
+    experts, int32 tid2eid, bf16 for the rest (the FP8 linears too with `fp8_linears=False`,
+    which the release format allows: a peer that re-quantizes FP8 then reads the same values);
+    `scale_format` "e8m0" or "u8". A directory already holding a checkpoint is refused
+    unless `force`."""
     directory = Path(directory)
     if directory.exists() and not force and any(directory.glob("*.safetensors")):
         raise FileExistsError(f"{directory} already holds a checkpoint (pass force=True)")
     directory.mkdir(parents=True, exist_ok=True)
     config = release_config(cfg)
-    entries = _entries(params, cfg, fp8_head)
+    entries = _entries(params, cfg, fp8_head, fp8_linears)
     shards: list[list[tuple[str, str, Any, int]]] = [[]]
     size = 0
     total = 0
