@@ -14,6 +14,8 @@ history every time): a developer message grown to ~N tokens (Codex's base prompt
 * cold           — nothing live.
 
 TTFT = prefill + the first decode step (`max_tokens=1`), best of two for the live paths.
+The part also counts programs compiled after warm-up (it should stay 0: a live continuation
+runs on a state taken out of the batch, which warm-up must have compiled for).
 """
 
 from __future__ import annotations
@@ -111,6 +113,8 @@ def main(quick: bool = False) -> dict:
     from ds4jax.chat.tokenizer import V4Tokenizer
     from ds4jax.config import load_config
     from ds4jax.engine import Engine
+    from ds4jax.model import batch as mb
+    from ds4jax.model.forward import forward_chunk
     from ds4jax.model.params import init_params
 
     use_compile_cache()
@@ -121,10 +125,17 @@ def main(quick: bool = False) -> dict:
     t0 = time.perf_counter()
     engine.warm_up()
     print(f"warm-up (compile) {time.perf_counter() - t0:.1f}s", flush=True)
+
+    def compiled() -> int:
+        return forward_chunk._cache_size() + mb.step._cache_size()
+
+    before = compiled()
     rows = []
     for n in sizes:
         print(f"-- Codex-shaped history ~{n} tokens", flush=True)
         rows.append(measure(engine, tok, n))
+    recompiles = compiled() - before  # a live continuation must reuse warm-up's programs
+    print(f"recompiles after warm-up: {recompiles}", flush=True)
     last = rows[-1]
     summary = {f"cold_over_{p}": round(last["cold"]["ttft_s"] / last[p]["ttft_s"], 1)
                for p in ("live_call_id", "visible_prefix")}  # fmt: skip
@@ -132,7 +143,8 @@ def main(quick: bool = False) -> dict:
           f"{summary['cold_over_live_call_id']}×, cold/visible prefix "
           f"{summary['cold_over_visible_prefix']}×", flush=True)  # fmt: skip
     out = {"date": datetime.now().isoformat(timespec="seconds"), "quick": quick, "rows": rows,
-           "summary": summary, "model": "tiny (random weights), CPU"}  # fmt: skip
+           "summary": summary, "model": "tiny (random weights), CPU",
+           "recompiles_after_warmup": recompiles}  # fmt: skip
     write_json("responses", out, quick)
     return out
 

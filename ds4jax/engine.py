@@ -395,9 +395,14 @@ class Engine:
                 self._decode_step()
 
     def _place(self, tree: Any) -> Any:
-        """On the mesh, replicated (states are small next to the params); as is without one."""
+        """On the mesh, replicated (states are small next to the params); without one,
+        committed to the first device. Either way every state the engine holds has one
+        placement: states extracted from the batch are committed, and jit compiles a
+        committed argument apart from an uncommitted one, so an uncommitted empty state
+        would leave warm-up compiling programs the first live continuation of each chunk
+        size then compiled again (seconds of TTFT, once per size)."""
         if self.mesh is None:
-            return tree
+            return jax.device_put(tree, jax.devices()[0])
         from ds4jax.model.sharding import replicated
 
         return jax.device_put(tree, replicated(self.mesh))
