@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--force", action="store_true", help="replace an existing params checkpoint")
     sp.set_defaults(func=cmd_convert)
 
-    sp = sub.add_parser("serve", help="serve the Anthropic Messages API (/v1/messages)")
+    sp = sub.add_parser("serve", help="serve /v1/messages, /v1/responses and /v1/chat/completions")
     from serve.main import add_arguments
 
     add_arguments(sp)
