@@ -53,6 +53,7 @@ from ds4jax.continuation.types import (
     source_label,
 )
 from ds4jax.decoding import Result, RowDecoder, ToolCallStarted
+from ds4jax.kvstore.background import BackgroundSaves
 from ds4jax.kvstore.store import KVStore, NoStore
 from ds4jax.model import batch as batch_ops
 from ds4jax.model.forward import CHUNK_SIZES, prefill
@@ -172,16 +173,20 @@ class Engine:
         state_budget_bytes: int | None = None,
         max_batch: int = 1,
         mesh: Any = None,
+        background_saves: bool = True,
     ) -> None:
         """`sessions`, `fork_points`, `state_budget_bytes`: the session pool
         (`continuation.pool`); the budget bounds the retained states (None: unbounded).
         `max_batch`: requests decoded together in one step (`model.batch`). `mesh`: a
         `jax.sharding.Mesh` the params are already sharded over (`model.sharding`); every
-        state the engine makes or loads is placed on it, replicated."""
+        state the engine makes or loads is placed on it, replicated. `background_saves`: a
+        `store` writes on its own thread (`kvstore.background`), off the request path."""
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer
         self.max_len = max_len
+        if store is not None and background_saves:
+            store = BackgroundSaves(store)
         self.store = store or NoStore()
         self.tool_memory = tool_memory or ToolMemory()
         self.chunk_sizes = tuple(chunk_sizes)
@@ -711,8 +716,10 @@ class Engine:
         }
 
     def _save(self, tokens: tuple[int, ...], state: Any, reason: str) -> None:
-        """Hand a state to the store. Never rolls the live state back; a failing store is
-        logged, not raised: serving goes on without the checkpoint."""
+        """Hand a state to the store (written in the background unless the engine was made
+        without `background_saves`: the state is immutable). Never rolls the live state
+        back; a failing store is logged, not raised: serving goes on without the
+        checkpoint."""
         try:
             self.store.save(
                 tokens, normalize(self.segments_of(tokens)), state, reason, self.tool_memory
@@ -728,6 +735,9 @@ class Engine:
             for live in (s.live for s in order):
                 if live is not None and live.pos:
                     self._save(live.tokens, live.state, "shutdown")
+        flush = getattr(self.store, "flush", None)
+        if flush is not None:  # every save asked for, written before the process exits
+            flush()
 
     # ------------------------------------------------------------------ introspection
 

@@ -125,7 +125,9 @@ SCRIPT = textwrap.dedent(
         system = "You are a careful assistant who answers in one short sentence. " * 3
         first = {"system": system, "messages": [{"role": "user", "content": "Hi."}],
                  "thinking": {"type": "disabled"}}
-        request(engine_on(save_params, save_mesh), first)
+        saver = engine_on(save_params, save_mesh)
+        request(saver, first)
+        saver.shutdown()  # its saves are written in the background: a clean exit flushes
         second = dict(first, messages=[{"role": "user", "content": "Again."}])
         out = []
         for p, mesh in ((save_params, save_mesh), (load_params, load_mesh)):
