@@ -4,14 +4,13 @@ on the tiny config, and our fixes. Each test names the ds4 test (with its line i
 `ds4_server.c`) it stands for; where our behaviour differs from ds4's by decision, the test
 asserts ours and its docstring says so.
 
-Skipped by design — Responses API only (out of scope, README point 7):
-
-* test_responses_live_tail_renders_tool_outputs_only (13325)
-* test_responses_tool_output_id_validation (13362)
-* test_responses_stateless_tool_replay_requires_reasoning (13395)
-* test_responses_visible_suffix_matches_client_replay (13469)
-* the Responses tool schema / namespace / tool_search tests (11390, 11413, 11452, 11500,
-  11535, 11549, 11584)
+The Responses API's tests live with its implementation (issue 15): the live tail, call_id
+validation and the visible suffix (13325, 13362, 13469) in `tests/serve/test_openai.py` and
+`tests/continuation/test_protocols.py` (the Responses decision is this one with different
+evidence); namespace flattening in `tests/chat/test_openai_requests.py`. Not ported:
+test_responses_stateless_tool_replay_requires_reasoning (13395) — a replay without reasoning
+is served from the visible transcript or the fork point, not flagged — and the tool_search
+tests (11390, 11500, …), a hosted tool we leave out of the prompt.
 
 No equivalent, because the mechanism does not exist here:
 
