@@ -22,6 +22,7 @@ it, also written as `summary-<stamp>.md` / `.csv` (`bench.summary`).
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import time
@@ -37,45 +38,12 @@ LAYERS_DEADLINE_MIN = 18.0
 
 def run_part(part: str, quick: bool, rest: list[str], t0: float) -> dict[str, Any]:
     """Run one part; returns the dict its `main` returns (what its JSON holds)."""
-    if part == "prompt":
-        from bench import prompt
-
-        return prompt.main(quick=quick)
+    module = importlib.import_module(f"bench.{part}")
     if part == "model":
-        from bench import model
-
-        return model.main(rest)
-    if part == "continuation":
-        from bench import continuation
-
-        return continuation.main(quick=quick)
-    if part == "disk":
-        from bench import disk
-
-        return disk.main(quick=quick)
-    if part == "kernels":
-        from bench import kernels
-
-        return kernels.main(quick=quick)
-    if part == "sessions":
-        from bench import sessions
-
-        return sessions.main(quick=quick)
-    if part == "batching":
-        from bench import batching
-
-        return batching.main(quick=quick)
-    if part == "llamacpp":
-        from bench import llamacpp
-
-        return llamacpp.main(quick=quick)
-    if part == "responses":
-        from bench import responses
-
-        return responses.main(quick=quick)
-    from bench import layers
-
-    return layers.main(rest, deadline=t0 + 60 * LAYERS_DEADLINE_MIN)
+        return module.main(rest)
+    if part == "layers":
+        return module.main(rest, deadline=t0 + 60 * LAYERS_DEADLINE_MIN)
+    return module.main(quick=quick)  # every other part: `main(quick=…)`
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,15 +207,24 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
             return _err(503, str(err))
         return job
 
-    @app.post("/v1/messages")
-    async def messages() -> Response:
+    async def _parsed(parse: Callable[[Any], Any]) -> tuple[Any, Any] | Response:
+        """(the body, what `parse` makes of it), or the error response: not ready (503),
+        unreadable or invalid (400)."""
         if config.state != "ready":
             return _err(503, "the model is still loading")
         try:
             body = await read_json()
-            req = parse_messages_request(body, max_context=engine.max_len, require_max_tokens=True)
+            return body, parse(body)
         except RequestError as err:
             return _err(err.status, err.message, err.error_type)
+
+    @app.post("/v1/messages")
+    async def messages() -> Response:
+        parsed = await _parsed(lambda b: parse_messages_request(
+            b, max_context=engine.max_len, require_max_tokens=True))  # fmt: skip
+        if isinstance(parsed, Response):
+            return parsed
+        body, req = parsed
         job = _submit(body, req, "anthropic", request.headers.get("x-session-id") or None)
         if isinstance(job, Response):
             return job
@@ -222,18 +232,15 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
         model_name = req.model
         if req.stream:
             return await _stream(job, msg_id, model_name)
-        return await _complete(job, msg_id, model_name)
+        return await _complete(job, lambda r: protocol.final_message(msg_id, model_name, r))
 
     @app.post("/v1/responses")
     async def responses() -> Response:
-        if config.state != "ready":
-            return _err(503, "the model is still loading")
-        try:
-            body = await read_json()
-            rreq = parse_responses_request(body, max_context=engine.max_len,
-                                           unseal=config.seal.open)  # fmt: skip
-        except RequestError as err:
-            return _err(err.status, err.message, err.error_type)
+        parsed = await _parsed(lambda b: parse_responses_request(
+            b, max_context=engine.max_len, unseal=config.seal.open))  # fmt: skip
+        if isinstance(parsed, Response):
+            return parsed
+        body, rreq = parsed
         hint = request.headers.get("session-id") or request.headers.get("x-session-id")
         job = _submit(body, rreq.request, "responses", hint or None)
         if isinstance(job, Response):
@@ -243,21 +250,16 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
             stream = responses_wire.ResponsesStream(rid, rreq, config.seal.seal)
             return await _openai_stream(job, stream, responses_wire.KEEPALIVE)
         created = int(time.time())
-        result = await _result(job)
-        if isinstance(result, Response):
-            return result
-        body = responses_wire.final_response(rid, rreq, result, config.seal.seal, created)
-        return Response(json.dumps(body), content_type="application/json")
+        return await _complete(
+            job, lambda r: responses_wire.final_response(rid, rreq, r, config.seal.seal, created)
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        if config.state != "ready":
-            return _err(503, "the model is still loading")
-        try:
-            body = await read_json()
-            creq = parse_chat_request(body, max_context=engine.max_len)
-        except RequestError as err:
-            return _err(err.status, err.message, err.error_type)
+        parsed = await _parsed(lambda b: parse_chat_request(b, max_context=engine.max_len))
+        if isinstance(parsed, Response):
+            return parsed
+        body, creq = parsed
         hint = request.headers.get("session-id") or request.headers.get("x-session-id")
         job = _submit(body, creq.request, "chat", hint or None, seed=body.get("seed"))
         if isinstance(job, Response):
@@ -267,19 +269,17 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
             stream = chat_wire.ChatStream(cid, model_name, creq.include_usage)
             return await _openai_stream(job, stream, chat_wire.KEEPALIVE)
         created = int(time.time())
-        result = await _result(job)
-        if isinstance(result, Response):
-            return result
-        body = chat_wire.final_completion(cid, model_name, result, created)
-        return Response(json.dumps(body), content_type="application/json")
+        return await _complete(
+            job, lambda r: chat_wire.final_completion(cid, model_name, r, created)
+        )
 
-    async def _result(job: Job) -> Any:
-        """The job's Result, or its error as a response."""
+    async def _complete(job: Job, shape: Callable[[Any], dict[str, Any]]) -> Response:
+        """A non-streaming reply: the job's result in its protocol's `shape`, or its error."""
         try:
             while True:
                 kind, payload = await job.events.get()
                 if kind == "done":
-                    return payload
+                    return Response(json.dumps(shape(payload)), content_type="application/json")
                 if kind == "error":
                     return _engine_error(payload)
         except asyncio.CancelledError:
@@ -333,19 +333,6 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
                 return await job.events.get()
         except TimeoutError:
             return None
-
-    async def _complete(job: Job, msg_id: str, model_name: str) -> Response:
-        try:
-            while True:
-                kind, payload = await job.events.get()
-                if kind == "done":
-                    return Response(json.dumps(protocol.final_message(msg_id, model_name, payload)),
-                                    content_type="application/json")  # fmt: skip
-                if kind == "error":
-                    return _engine_error(payload)
-        except asyncio.CancelledError:
-            job.cancel.set()
-            raise
 
     async def _first(job: Job) -> tuple[str, Any] | Response | None:
         """Wait briefly for the decision so a 409 can still be a real HTTP status (the
