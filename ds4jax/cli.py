@@ -64,23 +64,24 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
 
 def _load_model(args: argparse.Namespace) -> tuple[Any, Any, Any, Callable[[Any], Any]]:
     """(config, params, tokenizer, place) from --model DIR|NAME or --config NAME [--seed S],
-    the params sharded over `--mesh`; `place` puts a state on the same devices."""
+    the params read onto `--mesh`; `place` puts a state on the same devices."""
     import jax
 
     from ds4jax.model.checkpoint import load_model
-    from ds4jax.model.sharding import mesh_for, replicated, shard_params
+    from ds4jax.model.sharding import Placement, replicated
 
+    placement = Placement(args.mesh)
     cfg, params, tokenizer, _ = load_model(
-        args.model, args.config, args.seed, attention_impl=args.attention_impl
-    )
+        args.model, args.config, args.seed, attention_impl=args.attention_impl,
+        shardings=placement,
+    )  # fmt: skip
     quant = getattr(args, "quant_sim", None)
     if quant is not None:
         cfg = cfg.replace(quant_sim=quant == "on")
-    mesh = mesh_for(args.mesh, cfg)
+    mesh = placement.mesh
     if mesh is None:
         return cfg, params, tokenizer, lambda state: state
     print(f"mesh {dict(mesh.shape)}", file=sys.stderr)
-    params = shard_params(params, cfg, mesh)
     return cfg, params, tokenizer, lambda state: jax.device_put(state, replicated(mesh))
 
 

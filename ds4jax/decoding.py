@@ -27,7 +27,7 @@ from ds4jax.chat.dsml_parse import (
     stop_safe_len,
 )
 from ds4jax.chat.segments import Segment, normalize, template
-from ds4jax.continuation.tool_memory import new_tool_id
+from ds4jax.continuation.tool_memory import id_stream, new_tool_id
 from ds4jax.continuation.types import CacheSource, LiveFrontier, ThinkingBinding, ToolBinding
 
 if TYPE_CHECKING:
@@ -102,6 +102,7 @@ class RowDecoder:
         self.forced_at = 0
         self.pending_force = prepared.force_after_think
         self.closed_single = False
+        self._id_hex = id_stream(prepared.nonce)
 
     @property
     def done(self) -> bool:
@@ -112,7 +113,8 @@ class RowDecoder:
             self.events.append(ev)
             if isinstance(ev, ToolUseStart):
                 taken = [*self.tool_ids, *self.engine.live_tool_ids()]
-                tid = new_tool_id(taken, ID_PREFIXES.get(self.prepared.api, "call_"))
+                tid = new_tool_id(taken, ID_PREFIXES.get(self.prepared.api, "call_"),
+                                  self._id_hex)  # fmt: skip
                 self.tool_ids.append(tid)
                 self.emit(ToolCallStarted(ev.index, tid, ev.name))
             self.emit(ev)

@@ -19,7 +19,9 @@ fork points on and `--max-batch` (default 8).
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -107,6 +109,9 @@ class Prepared:
     #: the protocol (`continuation.types.APIS`): its error wording, tool-id prefix, log
     #: lines, and whether tool turns leave a visible-transcript binding
     api: str = "anthropic"
+    #: a per-request secret: its tool ids (`tool_memory.id_stream`) and, unseeded, its
+    #: sampling key derive from it, so every process handed the request agrees on both
+    nonce: bytes = field(default_factory=lambda: secrets.token_bytes(16))
 
     @property
     def prompt_tokens(self) -> int:
@@ -407,9 +412,13 @@ class Engine:
         would leave warm-up compiling programs the first live continuation of each chunk
         size then compiled again (seconds of TTFT, once per size)."""
         if self.mesh is None:
-            return jax.device_put(tree, jax.devices()[0])
+            return jax.device_put(tree, jax.local_devices()[0])
         from ds4jax.model.sharding import replicated
 
+        if jax.process_count() > 1:  # a new state is host data, the same on every process
+            tree = jax.tree.map(
+                lambda x: np.asarray(x) if getattr(x, "is_fully_addressable", True) else x, tree
+            )
         return jax.device_put(tree, replicated(self.mesh))
 
     def _new_batch(self) -> Any:
@@ -598,7 +607,9 @@ class Engine:
         row = self._free_row()
         assert row is not None  # reserved at admission
         seed = prepared.sampling.seed
-        key = jax.random.key(seed if seed is not None else time.time_ns() % (2**31))
+        if seed is None:
+            seed = int.from_bytes(hashlib.blake2b(prepared.nonce, digest_size=4).digest()) >> 1
+        key = jax.random.key(seed)
         self._keys[row] = np.asarray(jax.random.key_data(key))
         self._batch = batch_ops.insert(self._batch, np.int32(row), state)
         self._rows[row] = ticket

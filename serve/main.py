@@ -56,6 +56,11 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                     help="requests decoded together in one step (1, 2, 4 or 8)")  # fmt: skip
     sp.add_argument("--mesh", default=None, help=MESH_HELP)
+    sp.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                    help="several processes (hosts): process 0's address for "
+                    "jax.distributed; process 0 serves HTTP, the others follow")  # fmt: skip
+    sp.add_argument("--num-processes", type=int, default=1, help="processes in the group")
+    sp.add_argument("--process-id", type=int, default=0, help="this process (0: the server)")
     sp.add_argument("--kv-disk-dir", default=None, help="disk checkpoints (disk issue)")
     sp.add_argument("--kv-disk-space-mb", type=int, default=4096)
     sp.add_argument("--trace", default=None, help="append JSON lines per request to FILE")
@@ -74,9 +79,15 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
             model = DEFAULT_MODEL
         else:  # a checkout without the trained demo: still serve, with the plumbing model
             config = FALLBACK_CONFIG
-    cfg, params, tokenizer, banner = load_model(
-        model, config, args.seed, attention_impl=args.attention_impl
-    )
+    from ds4jax.model.sharding import MeshError, Placement
+
+    placement = Placement(args.mesh)
+    try:
+        cfg, params, tokenizer, banner = load_model(
+            model, config, args.seed, attention_impl=args.attention_impl, shardings=placement
+        )
+    except MeshError as err:
+        raise SystemExit(f"ds4jax serve: {err}") from err
     if model == DEFAULT_MODEL:
         banner += " (the trained demo: it calls add(a, b) and get_weather(city))"
     store = None
@@ -91,14 +102,21 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
         raise SystemExit("ds4jax serve: --sessions must be at least 1")
     if not 1 <= args.max_batch <= 8:
         raise SystemExit("ds4jax serve: --max-batch must be between 1 and 8")
-    from ds4jax.model.sharding import mesh_for, shard_params
+    mesh = placement.mesh
+    if args.num_processes > 1:
+        import jax
 
-    try:
-        mesh = mesh_for(args.mesh, cfg)
-    except ValueError as err:
-        raise SystemExit(f"ds4jax serve: --mesh: {err}") from err
+        if mesh is None or mesh.size != jax.device_count():
+            raise SystemExit(
+                f"ds4jax serve: {args.num_processes} processes need a --mesh over all "
+                f"{jax.device_count()} devices (got {'none' if mesh is None else mesh.size})"
+            )
+        if args.kv_disk_dir:
+            raise SystemExit(
+                "ds4jax serve: --kv-disk-dir with several processes is not supported yet"
+            )
+        banner += f"; process {args.process_id} of {args.num_processes}"
     if mesh is not None:
-        params = shard_params(params, cfg, mesh)
         banner += f"; mesh {dict(mesh.shape)}"
     per_state = capacity_bytes(cfg, args.ctx)
     if args.state_budget_mb is None:
@@ -152,6 +170,22 @@ def trace_hook(path: str):
     return write
 
 
+#: seconds a failed group's server keeps answering /health with 503 before it exits
+FAILED_EXIT_DELAY_S = 2.0
+
+
+def group_failed(dead: list[int], config: ServerConfig) -> None:
+    """A process of the group is gone: no step can run without it (and one running may
+    never return), so fail health, say which, and exit non-zero without waiting."""
+    who = ", ".join(map(str, dead)) if dead != [-1] else "the coordination service"
+    config.state = f"failed: process {who} stopped"
+    log.error("process %s of the group stopped: no engine step can run without it; "
+              "exiting", who)  # fmt: skip
+    time.sleep(FAILED_EXIT_DELAY_S)
+    sys.stderr.flush()
+    os._exit(3)
+
+
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
@@ -160,8 +194,24 @@ def serve(args: argparse.Namespace) -> int:
     from hypercorn.config import Config as HyperConfig
 
     t0 = time.perf_counter()
+    group = args.num_processes > 1
+    if group:
+        if not args.coordinator or not 0 <= args.process_id < args.num_processes:
+            raise SystemExit(
+                "ds4jax serve: several processes need --coordinator HOST:PORT and a "
+                "--process-id between 0 and --num-processes - 1"
+            )
+        from ds4jax import distributed
+
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     engine, banner = build_engine(args)
     print(f"ds4jax: {banner}", file=sys.stderr, flush=True)
+    if group:
+        channel = distributed.Channel()
+        if args.process_id:
+            print("ds4jax: following process 0", file=sys.stderr, flush=True)
+            return distributed.follow(engine, channel)
+        engine = distributed.Leader(engine, channel)
     worker = EngineWorker(engine, max_queue=args.queue)
     if args.trace:
         worker.hooks.append(trace_hook(args.trace))
@@ -181,6 +231,8 @@ def serve(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         worker.start()
+        if group:
+            engine.watch(lambda dead: group_failed(dead, config))
         server = asyncio.ensure_future(hypercorn_serve(app, hc, shutdown_trigger=stop.wait))
         print("ds4jax: compiling and warming up …", file=sys.stderr, flush=True)
         await loop.run_in_executor(None, engine.warm_up)

@@ -51,7 +51,7 @@ def empty_batch(cfg: Config, max_len: int, rows: int) -> DecodeState:
     batch = jax.tree.map(
         lambda x: jnp.array(jnp.broadcast_to(x, (rows, *x.shape)), dtype=x.dtype), one
     )
-    return jax.device_put(batch, jax.devices()[0])
+    return jax.device_put(batch, jax.local_devices()[0])
 
 
 @partial(jax.jit, donate_argnums=0)

@@ -104,7 +104,7 @@ def read_metadata(directory: str | Path) -> dict[str, Any]:
 
 def _sharding_tree(abstract: Params, shardings: Any) -> Params:
     if shardings is None:
-        shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     if isinstance(shardings, jax.sharding.Sharding):
         return jax.tree.map(lambda _: shardings, abstract)
     if jax.tree.structure(shardings) != jax.tree.structure(abstract):
@@ -117,12 +117,15 @@ def restore_params(
 ) -> tuple[Config, Params]:
     """(config, params) from a params checkpoint, placed per `shardings`.
 
-    `shardings`: None (the default device), one `jax.sharding.Sharding` for every leaf, or a
-    pytree of them matching the params. `dtype`: float dtype of the restored leaves (default
+    `shardings`: None (the default device), one `jax.sharding.Sharding` for every leaf, a
+    pytree of them matching the params, or a function of the config returning either (the
+    leaves are read straight onto their devices: across processes, each reads its own
+    shards). `dtype`: float dtype of the restored leaves (default
     the saved one; tid2eid stays int32)."""
     directory = Path(directory).absolute()
     meta = read_metadata(directory)
     cfg = Config.from_dict(meta["config"])
+    shardings = _for_config(shardings, cfg)
     abstract = param_shapes(cfg, jnp.dtype(dtype or meta["dtype"]))
     target = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -162,8 +165,24 @@ def load_any(
     if layout == "orbax":
         return restore_params(src, shardings, dtype)
     if layout == "official":
-        return load_official_checkpoint(src, dtype=dtype)
-    return load_hf_checkpoint(src, dtype=dtype)
+        cfg, params = load_official_checkpoint(src, dtype=dtype)
+    else:
+        cfg, params = load_hf_checkpoint(src, dtype=dtype)
+    return cfg, _placed(params, cfg, shardings)
+
+
+def _for_config(shardings: Any, cfg: Config) -> Any:
+    return shardings(cfg) if callable(shardings) else shardings
+
+
+def _placed(params: Params, cfg: Config, shardings: Any) -> Params:
+    """Params read on the host, put on `shardings` (None: where they are)."""
+    shardings = _for_config(shardings, cfg)
+    if shardings is None:
+        return params
+    if jax.process_count() > 1:  # a global sharding takes host data, the same everywhere
+        params = jax.tree.map(np.asarray, params)
+    return jax.device_put(params, shardings)
 
 
 def convert(
@@ -200,19 +219,21 @@ def load_model(
     dtype: Any = jnp.float32,
     *,
     attention_impl: str | None = None,
+    shardings: Any = None,
 ) -> tuple[Config, Params, Tokenizer, str]:
     """(config, params, tokenizer, description) for the CLI and the server: a checkpoint
     directory or named model (its own tokenizer.json or SentencePiece `.model` when it ships
     one, else the official V4 tokenizer), or a named config with random weights.
-    `attention_impl` overrides the config's (xla / pallas / auto)."""
-    cfg, params, tokenizer, what = _load(model, config, seed, dtype)
+    `attention_impl` overrides the config's (xla / pallas / auto). `shardings`: where the
+    params go, as `restore_params` takes it (`model.sharding.Placement` for a `--mesh`)."""
+    cfg, params, tokenizer, what = _load(model, config, seed, dtype, shardings)
     if attention_impl is not None:
         cfg = cfg.replace(attention_impl=attention_impl)
     return cfg, params, tokenizer, what
 
 
 def _load(
-    model: str | Path | None, config: str | None, seed: int, dtype: Any
+    model: str | Path | None, config: str | None, seed: int, dtype: Any, shardings: Any
 ) -> tuple[Config, Params, Tokenizer, str]:
     from ds4jax.chat.tokenizer import load_tokenizer
     from ds4jax.config import load_config
@@ -220,13 +241,13 @@ def _load(
 
     if model is not None:
         d = resolve_model_dir(model)
-        cfg, params = load_any(d, dtype=dtype)
+        cfg, params = load_any(d, dtype=dtype, shardings=shardings)
         own = (d / "tokenizer.json").is_file() or any(d.glob("*.model"))
         return cfg, params, load_tokenizer(d if own else None), f"model {model}"
     if config is None:
         raise ValueError("name a model or a config")
     cfg = load_config(config)
-    params = init_params(cfg, seed=seed, dtype=dtype)
+    params = _placed(init_params(cfg, seed=seed, dtype=dtype), cfg, shardings)
     what = (
         f"config {config!r} with RANDOM weights (seed {seed}): it shows the plumbing, "
         "its text is noise"

@@ -127,23 +127,27 @@ def parse_mesh(spec: str, devices: list[Any] | None = None) -> Mesh:
 
 
 def default_mesh(cfg: Config, devices: list[Any] | None = None) -> Mesh | None:
-    """Every local device on the tensor axis when every tensor-sharded dimension divides
-    by their count; None (one device, nothing to place) otherwise or with one device."""
-    devices = list(devices if devices is not None else jax.local_devices())
+    """Every device (of every process) on the tensor axis when every tensor-sharded
+    dimension divides by their count; None (one device, nothing to place) otherwise or with
+    one device. Several processes always get the mesh (they must all take part in every
+    step): a dimension that does not divide is replicated."""
+    devices = list(devices if devices is not None else jax.devices())
     n = len(devices)
     if n <= 1:
         return None
-    rules = ShardingRules()
-    for path, leaf in jax.tree_util.tree_leaves_with_path(param_shapes(cfg)):
-        for dim, logical in zip(leaf.shape, logical_axes(path_name(path), leaf.ndim), strict=True):
-            if rules.mesh_axis(logical) == TENSOR_AXIS and dim % n:
-                return None
+    if jax.process_count() == 1:
+        rules = ShardingRules()
+        for path, leaf in jax.tree_util.tree_leaves_with_path(param_shapes(cfg)):
+            axes = logical_axes(path_name(path), leaf.ndim)
+            for dim, logical in zip(leaf.shape, axes, strict=True):
+                if rules.mesh_axis(logical) == TENSOR_AXIS and dim % n:
+                    return None
     return make_mesh(1, n, devices)
 
 
 MESH_HELP = (
     "expert=E,tensor=T: shard the params over a device mesh; 'none': one device (default: "
-    "every local device on the tensor axis where the shapes divide)"
+    "every device on the tensor axis where the shapes divide)"
 )
 
 
@@ -155,3 +159,24 @@ def mesh_for(spec: str | None, cfg: Config) -> Mesh | None:
     if spec.strip().lower() == "none":
         return None
     return parse_mesh(spec)
+
+
+class MeshError(ValueError):
+    """A `--mesh` that does not fit the devices or the model."""
+
+
+class Placement:
+    """A `--mesh` flag, resolved once the config is known: `load_model(shardings=...)` calls
+    it with the config and reads the params straight onto the mesh; `mesh` is then the one
+    chosen (None: one device)."""
+
+    def __init__(self, spec: str | None) -> None:
+        self.spec = spec
+        self.mesh: Mesh | None = None
+
+    def __call__(self, cfg: Config) -> Params | None:
+        try:
+            self.mesh = mesh_for(self.spec, cfg)
+        except ValueError as err:
+            raise MeshError(f"--mesh: {err}") from err
+        return None if self.mesh is None else param_shardings(cfg, self.mesh)

@@ -300,7 +300,10 @@ class ServeProcess:
     """`ds4jax serve` in a subprocess; `model` are its model flags (none: the default, the
     trained demo)."""
 
-    def __init__(self, *args: str, model: tuple[str, ...] = ("--config", "tiny")) -> None:
+    def __init__(
+        self, *args: str, model: tuple[str, ...] = ("--config", "tiny"),
+        env: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = (*model, "--ctx", "2048", "--port", str(self.port), *args)
@@ -311,7 +314,7 @@ class ServeProcess:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         self.lines: list[str] = []
         self.ready = threading.Event()
@@ -344,9 +347,37 @@ class ServeProcess:
                 self.proc.kill()
 
 
-_early: dict[str, ServeProcess] = {}
+_early: dict[str, Any] = {}
 #: the demo server's flags: no model flags, a session for each of six concurrent agents
 DEMO_SERVE_ARGS = ("--sessions", "6")
+#: the multi-host group: two processes of 4 CPU devices each, one 2×4 mesh over all 8
+GROUP_ARGS = ("--mesh", "expert=2,tensor=4", "--sessions", "2", "--max-batch", "2")
+
+
+class ServeGroup:
+    """`ds4jax serve` as a group of processes on this machine (jax.distributed, coordinator
+    on 127.0.0.1, gloo collectives): the leader serves HTTP, the followers replay."""
+
+    def __init__(self, processes: int = 2, devices_each: int = 4) -> None:
+        group = ("--coordinator", f"127.0.0.1:{free_port()}", "--num-processes",
+                 str(processes))  # fmt: skip
+        env = {"JAX_NUM_CPU_DEVICES": str(devices_each), "XLA_FLAGS": ""}
+        # followers first: the leader's HTTP port is the one tests use
+        self.followers = [
+            ServeProcess(*GROUP_ARGS, *group, "--process-id", str(i), model=(), env=env)
+            for i in range(1, processes)
+        ]
+        self.leader = ServeProcess(*GROUP_ARGS, *group, "--process-id", "0", model=(), env=env)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        for f in self.followers:
+            assert f.proc.poll() is None, f"a follower exited:\n{f.stderr}"
+        self.leader.wait_ready(timeout)
+
+    def stop(self) -> None:
+        self.leader.stop()
+        for f in self.followers:
+            f.stop()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -357,10 +388,23 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         _early["served"] = ServeProcess("--api-key", SERVE_KEY)
     if "demo_served" in wanted:
         _early["demo_served"] = ServeProcess(*DEMO_SERVE_ARGS, model=())
+    if "served_group" in wanted:
+        _early["served_group"] = ServeGroup()
 
 
-def take_served(kind: str = "served") -> ServeProcess | None:
+def take_served(kind: str = "served") -> Any:
     return _early.pop(kind, None)
+
+
+@pytest.fixture(scope="session")
+def demo_served() -> Iterator[ServeProcess]:
+    """`ds4jax serve` with no model flags: the trained demo, on one device."""
+    server = take_served("demo_served") or ServeProcess(*DEMO_SERVE_ARGS, model=())
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -7,27 +7,15 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import openai
-import pytest
 
 from ds4jax.demo.corpus import TOOLS, run_tool
-from tests.serve.conftest import DEMO_SERVE_ARGS, ServeProcess, take_served
+from tests.serve.conftest import ServeProcess
 
 LIVE_LINE = "anthropic live continuation match=tool-output-ids"
-
-
-@pytest.fixture(scope="module")
-def demo_served() -> Iterator[ServeProcess]:
-    server = take_served("demo_served") or ServeProcess(*DEMO_SERVE_ARGS, model=())
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
 
 
 def test_default_model_runs_the_tool_loop_live(demo_served: ServeProcess) -> None:

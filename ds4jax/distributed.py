@@ -1,0 +1,249 @@
+"""One engine over several processes, with JAX's own multi-controller runtime.
+
+Every process of the group holds the same `Engine` over one global mesh, and every process
+must make the same jitted calls in the same order: each call is a collective over all the
+devices. Process 0, the leader, runs the HTTP server and so the only scheduler whose inputs
+are not known in advance: requests arrive, clients cancel, errors abort. Before each engine
+operation the leader publishes what the others need to make the same call — the requests
+handed over since the last step, the cancellations it has seen, the operation — through
+the key-value store of `jax.distributed`'s coordination service; followers replay the
+operations in order. No RPC of our own.
+
+Replay is exact because everything else the scheduler reads is a function of those inputs:
+routing, fork choice and batching are pure functions of the pool; the sampled tokens come
+out of the jitted step replicated on every process; a request's sampling key and tool ids
+derive from its `Prepared.nonce`, which travels with it; cancellations are applied at step
+boundaries on every process, never mid-step.
+
+Failure: the coordination service's heartbeats (`HEARTBEAT_TIMEOUT_S`) find a dead process.
+The leader's `Watchdog` then reports which one, so the server fails health and exits
+non-zero; a follower whose leader is gone exits non-zero. A step already running when a
+process dies may never return; the exit does not wait for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from ds4jax.engine import Engine, EngineError, Prepared, Ticket
+
+log = logging.getLogger("ds4jax.distributed")
+
+#: seconds without a heartbeat before the coordination service calls a process dead
+HEARTBEAT_TIMEOUT_S = 10
+#: published operations kept in the key-value store: followers are at most a step behind
+#: (every step is a collective), so older ones are deleted
+KEEP_OPS = 64
+#: seconds the group's clean exit waits for every process
+STOP_TIMEOUT_S = 30
+_KEY = "ds4jax/op/{}"
+_STOP_BARRIER = "ds4jax/stop"
+
+
+def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
+    """`jax.distributed.initialize` before any other JAX call. On CPU each process takes
+    `JAX_NUM_CPU_DEVICES` devices (JAX reads it) and collectives go through gloo."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # a dead process is reported (`Channel.dead`, the `Watchdog`) rather than aborting every
+    # other process from inside the runtime: the server says which one and exits itself
+    jax.config.update("jax_enable_recoverability", True)
+    jax.distributed.initialize(
+        coordinator, num_processes, process_id, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S
+    )
+
+
+def _client() -> Any:
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("jax.distributed is not initialized")
+    return client
+
+
+class Channel:
+    """The leader's operations, in order, through the coordination service's key-value
+    store (pickled: they come only from the group's own leader)."""
+
+    def __init__(self, client: Any = None) -> None:
+        self.client = client if client is not None else _client()
+        self.seq = 0
+
+    def publish(self, op: tuple) -> None:
+        self.client.key_value_set_bytes(_KEY.format(self.seq), pickle.dumps(op))
+        if self.seq >= KEEP_OPS:
+            self.client.key_value_delete(_KEY.format(self.seq - KEEP_OPS))
+        self.seq += 1
+
+    def receive(self, timeout_s: float) -> tuple | None:
+        """The next operation, or None when none came within `timeout_s`."""
+        try:
+            data = self.client.blocking_key_value_get_bytes(
+                _KEY.format(self.seq), int(timeout_s * 1000)
+            )
+        except Exception as err:  # a timeout, or the service itself is gone
+            if "DEADLINE_EXCEEDED" in str(err) or "timed out" in str(err).lower():
+                return None
+            raise
+        self.seq += 1
+        return pickle.loads(data)
+
+    def dead(self) -> list[int]:
+        """Processes the coordination service no longer hears from."""
+        everyone = list(range(jax.process_count()))
+        live = self.client.get_live_nodes(everyone)
+        return [p for p in everyone if p not in live]
+
+
+class Leader:
+    """Process 0's engine, as the server's worker sees it: `submit`, `tick`, `abort`,
+    `warm_up` and `shutdown` publish before they run; everything else is the engine's."""
+
+    def __init__(self, engine: Engine, channel: Channel) -> None:
+        self.engine = engine
+        self.channel = channel
+        self._ids = itertools.count()
+        self._handed: list[tuple[int, Prepared]] = []  # submitted since the last step
+        #: id → (the client's cancel event, the one the engine reads, the ticket)
+        self._open: dict[int, tuple[threading.Event | None, threading.Event, Ticket]] = {}
+        self._lock = threading.Lock()  # one published operation at a time, in order
+        self._watchdog: Watchdog | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def submit(self, prepared: Prepared, *, cancel: threading.Event | None = None,
+               **hooks: Any) -> Ticket:  # fmt: skip
+        """Queue here now, on the followers with the next step. The engine reads a cancel
+        event of its own, set from the client's at step boundaries, as the followers' is."""
+        if hooks.get("forced_tokens") is not None:
+            raise ValueError("forced tokens (a test hook) are not replayed on followers")
+        own = threading.Event()
+        tid = next(self._ids)
+        ticket = self.engine.submit(prepared, cancel=own, **hooks)
+        self._handed.append((tid, prepared))
+        self._open[tid] = (cancel, own, ticket)
+        return ticket
+
+    def tick(self) -> None:
+        with self._lock:
+            cancels = []
+            for tid, (cancel, own, ticket) in list(self._open.items()):
+                if ticket.finished.is_set():
+                    del self._open[tid]
+                elif cancel is not None and cancel.is_set() and not own.is_set():
+                    own.set()
+                    cancels.append(tid)
+            self.channel.publish(("tick", self._handed, cancels))
+            self._handed = []
+            self.engine.tick()
+
+    def abort(self, err: Exception) -> None:
+        with self._lock:
+            self.channel.publish(("abort", str(err)))
+            self._handed, self._open = [], {}
+            self.engine.abort(err)
+
+    def warm_up(self) -> None:
+        with self._lock:
+            self.channel.publish(("warm_up",))
+            self.engine.warm_up()
+
+    def watch(self, on_dead: Callable[[list[int]], None]) -> None:
+        """Start the `Watchdog`; `shutdown` stops it first (a clean exit is no failure)."""
+        self._watchdog = Watchdog(self.channel, on_dead)
+        self._watchdog.start()
+
+    def shutdown(self) -> None:
+        """The group's clean exit: every process runs the engine's shutdown (its saves),
+        then the followers leave the coordination service before the leader, which hosts
+        it, takes it down."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        with self._lock:
+            self.channel.publish(("shutdown",))
+            self.engine.shutdown()
+            self.channel.client.wait_at_barrier(_STOP_BARRIER, STOP_TIMEOUT_S * 1000)
+            followers = set(range(1, jax.process_count()))
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            while not followers <= set(self.channel.dead()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+
+def follow(engine: Engine, channel: Channel, poll_s: float = 1.0) -> int:
+    """A follower's whole life: replay the leader's operations until it publishes
+    `shutdown` (→ 0) or is gone (→ 1)."""
+    tickets: dict[int, Ticket] = {}
+    while True:
+        try:
+            op = channel.receive(poll_s)
+            if op is None:
+                if 0 in channel.dead():
+                    log.error("the leader (process 0) stopped; this follower exits")
+                    return 1
+                continue
+        except Exception as err:
+            log.error("lost the leader (process 0): %s", err)
+            return 1
+        kind = op[0]
+        if kind == "tick":
+            for tid, prepared in op[1]:
+                tickets[tid] = engine.submit(prepared, cancel=threading.Event())
+            for tid in op[2]:
+                tickets[tid].cancel.set()
+            try:
+                engine.tick()
+            except Exception:  # the leader's step raised too: its abort comes next
+                log.exception("engine step failed")
+            tickets = {t: k for t, k in tickets.items() if not k.finished.is_set()}
+        elif kind == "abort":
+            engine.abort(EngineError(500, op[1], "api_error"))
+            tickets = {}
+        elif kind == "warm_up":
+            engine.warm_up()
+        elif kind == "shutdown":
+            engine.shutdown()
+            channel.client.wait_at_barrier(_STOP_BARRIER, STOP_TIMEOUT_S * 1000)
+            jax.distributed.shutdown()  # leave before the leader takes the service down
+            return 0
+        else:
+            raise ValueError(f"unknown operation {kind!r} from the leader")
+
+
+class Watchdog:
+    """On the leader: polls the coordination service; once a process is gone, calls
+    `on_dead(processes)` once from its own thread (a step stuck in a collective with the
+    dead process never returns, so this cannot wait for the worker)."""
+
+    def __init__(self, channel: Channel, on_dead: Callable[[list[int]], None],
+                 every_s: float = 1.0) -> None:  # fmt: skip
+        self.channel = channel
+        self.on_dead = on_dead
+        self.every_s = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ds4jax-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                dead = self.channel.dead()
+            except Exception as err:  # the service itself failed: nobody can step
+                log.error("coordination service unreachable: %s", err)
+                dead = [-1]
+            if dead and not self._stop.is_set():
+                self.on_dead(dead)
+                return

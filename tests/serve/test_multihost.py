@@ -1,0 +1,100 @@
+"""`ds4jax serve` as a group of two processes × 4 CPU devices on this machine (issue 16):
+JAX's own multi-controller runtime, the leader serving HTTP and the follower replaying each
+engine operation. The demo's tool loop comes out token for token as from one process on one
+device, continues live, and a dead follower ends the group: health fails, the leader exits
+non-zero within a bounded time, saying which process stopped."""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import pytest
+
+from ds4jax.demo.corpus import TOOLS, run_tool
+from tests.serve.conftest import ServeGroup, ServeProcess, take_served
+
+LIVE_LINE = "anthropic live continuation match=tool-output-ids ids=1"
+
+
+@pytest.fixture(scope="module")
+def served_group() -> Iterator[ServeGroup]:
+    group = take_served("served_group") or ServeGroup()
+    try:
+        group.wait_ready()
+        yield group
+    finally:
+        group.stop()
+
+
+def tool_loop(url: str, question: str) -> list[dict[str, Any]]:
+    """One greedy tool loop (call turn, tool-result turn): each turn's content and usage."""
+    client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    kw = {
+        "model": "deepseek-v4-flash",
+        "max_tokens": 200,
+        "tools": TOOLS,
+        "extra_body": {"temperature": 0.0},
+    }
+    messages: list = [{"role": "user", "content": question}]
+    first = client.messages.create(messages=messages, **kw)
+    calls = [b for b in first.content if b.type == "tool_use"]
+    assert len(calls) == 1, first.content
+    messages += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": calls[0].id,
+                                      "content": run_tool(calls[0].name, calls[0].input)}]},
+    ]  # fmt: skip
+    second = client.messages.create(messages=messages, **kw)
+    turns = []
+    for reply in (first, second):
+        blocks = [b.model_dump(exclude={"id"}, exclude_none=True) for b in reply.content]
+        usage = reply.usage
+        turns.append({"content": blocks, "stop": reply.stop_reason, "usage": (
+            usage.input_tokens, usage.output_tokens, usage.cache_read_input_tokens)})  # fmt: skip
+    return turns
+
+
+def test_the_group_serves_the_tool_loop_as_one_device_does(
+    served_group: ServeGroup, demo_served: ServeProcess
+) -> None:
+    leader = served_group.leader
+    assert "process 0 of 2; mesh {'expert': 2, 'tensor': 4}" in leader.stderr
+    assert "following process 0" in served_group.followers[0].stderr
+    for question in ("What is 123 plus 456?", "What's the weather in Oslo?"):
+        got = tool_loop(leader.url, question)
+        want = tool_loop(demo_served.url, question)
+        assert got == want
+        call, answer = got
+        assert call["stop"] == "tool_use" and answer["stop"] == "end_turn"
+        # the tool-result turn continued the live state: the call turn's whole input + output
+        assert answer["usage"][2] == call["usage"][0] + call["usage"][1]
+    assert leader.stderr.count(LIVE_LINE) == 2
+
+
+def health(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as err:
+        return err.code
+    except OSError:
+        return 0  # refused: the server is gone
+
+
+def test_a_dead_follower_ends_the_group(served_group: ServeGroup) -> None:
+    leader, follower = served_group.leader, served_group.followers[0]
+    assert health(leader.url) == 200
+    follower.proc.kill()
+    codes = []
+    deadline = time.monotonic() + 60  # heartbeat timeout 10 s, then the watchdog
+    while leader.proc.poll() is None and time.monotonic() < deadline:
+        codes.append(health(leader.url))
+        time.sleep(0.5)
+    assert leader.proc.poll() not in (None, 0), "the leader did not exit non-zero in 60 s"
+    assert 503 in codes or 0 in codes, codes
+    assert "process 1 of the group stopped" in leader.stderr
