@@ -351,7 +351,7 @@ _early: dict[str, Any] = {}
 #: the demo server's flags: no model flags, a session for each of six concurrent agents
 DEMO_SERVE_ARGS = ("--sessions", "6")
 #: the multi-host group: two processes of 4 CPU devices each, one 2×4 mesh over all 8
-GROUP_ARGS = ("--mesh", "expert=2,tensor=4", "--sessions", "2", "--max-batch", "2")
+GROUP_ARGS = ("--mesh", "expert=2,tensor=4", "--sessions", "2", "--max-batch", "1")
 
 
 class ServeGroup:

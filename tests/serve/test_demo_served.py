@@ -38,7 +38,9 @@ def test_default_model_runs_the_tool_loop_live(demo_served: ServeProcess) -> Non
     text = "".join(b.text for b in second.content if b.type == "text")
     assert "579" in text and second.stop_reason == "end_turn"
     u1, u2 = first.usage, second.usage
-    assert u2.cache_read_input_tokens == u1.input_tokens + u1.output_tokens
+    # the whole call turn (its prompt, from cache or not, and its output) was live
+    prompt1 = u1.input_tokens + u1.cache_read_input_tokens
+    assert u2.cache_read_input_tokens == prompt1 + u1.output_tokens
     deadline = time.monotonic() + 5
     while LIVE_LINE not in demo_served.stderr and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -69,8 +71,8 @@ def agent(url: str, n: int) -> list[tuple[int, int, str, str]]:
         second = client.messages.create(messages=messages, **kw)
         text = "".join(c.text for c in second.content if c.type == "text")
         u1 = first.usage
-        out.append((second.usage.cache_read_input_tokens, u1.input_tokens + u1.output_tokens,
-                    result, text))  # fmt: skip
+        call_turn = u1.input_tokens + u1.cache_read_input_tokens + u1.output_tokens
+        out.append((second.usage.cache_read_input_tokens, call_turn, result, text))
     return out
 
 

@@ -54,8 +54,11 @@ def tool_loop(url: str, question: str) -> list[dict[str, Any]]:
     for reply in (first, second):
         blocks = [b.model_dump(exclude={"id"}, exclude_none=True) for b in reply.content]
         usage = reply.usage
-        turns.append({"content": blocks, "stop": reply.stop_reason, "usage": (
-            usage.input_tokens, usage.output_tokens, usage.cache_read_input_tokens)})  # fmt: skip
+        # (prompt, output): which part of the prompt was cached depends on what the server
+        # saw before (the one-device server is shared with other tests)
+        prompt = usage.input_tokens + usage.cache_read_input_tokens
+        counts = (prompt, usage.output_tokens, usage.cache_read_input_tokens)
+        turns.append({"content": blocks, "stop": reply.stop_reason, "usage": counts})
     return turns
 
 
@@ -68,7 +71,9 @@ def test_the_group_serves_the_tool_loop_as_one_device_does(
     for question in ("What is 123 plus 456?", "What's the weather in Oslo?"):
         got = tool_loop(leader.url, question)
         want = tool_loop(demo_served.url, question)
-        assert got == want
+        assert [{**t, "usage": t["usage"][:2]} for t in got] == [
+            {**t, "usage": t["usage"][:2]} for t in want
+        ]
         call, answer = got
         assert call["stop"] == "tool_use" and answer["stop"] == "end_turn"
         # the tool-result turn continued the live state: the call turn's whole input + output
