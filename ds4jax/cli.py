@@ -73,7 +73,7 @@ def _load_model(args: argparse.Namespace) -> tuple[Any, Any, Any, Callable[[Any]
     placement = Placement(args.mesh)
     cfg, params, tokenizer, _ = load_model(
         args.model, args.config, args.seed, attention_impl=args.attention_impl,
-        shardings=placement,
+        shardings=placement, weights=args.weights,
     )  # fmt: skip
     quant = getattr(args, "quant_sim", None)
     if quant is not None:
@@ -202,6 +202,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def add_weights(sp: argparse.ArgumentParser) -> None:
+    from ds4jax.model.checkpoint import WEIGHTS, WEIGHTS_HELP
+
+    sp.add_argument("--weights", choices=sorted(WEIGHTS), default="f32", help=WEIGHTS_HELP)
+
+
 def add_attention_impl(sp: argparse.ArgumentParser) -> None:
     sp.add_argument(
         "--attention-impl", choices=["auto", "xla", "pallas"], default=None,
@@ -264,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         src.add_argument("--config", help="named config with random weights, e.g. tiny")
         sp.add_argument("--seed", type=int, default=0, help="weights seed with --config")
         add_attention_impl(sp)
+        add_weights(sp)
         sp.add_argument("--mesh", default=None, help=MESH_HELP)
 
     sp = sub.add_parser("dump-logits", help="write float32 logits for every prompt position")

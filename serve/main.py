@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from ds4jax.cli import add_attention_impl
+from ds4jax.cli import add_attention_impl, add_weights
 from ds4jax.config import CONFIG_DIR
 from ds4jax.continuation.reasoning_seal import ReasoningSeal
 from ds4jax.engine import Engine
@@ -42,6 +42,7 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     src.add_argument("--config", help="named config with random weights, e.g. tiny")
     sp.add_argument("--seed", type=int, default=DEFAULT_SEED, help="weights seed with --config")
     add_attention_impl(sp)
+    add_weights(sp)
     sp.add_argument("--host", default="127.0.0.1")
     sp.add_argument("--port", type=int, default=8000)
     sp.add_argument("--ctx", type=int, default=8192, help="context size in tokens")
@@ -79,13 +80,15 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
             model = DEFAULT_MODEL
         else:  # a checkout without the trained demo: still serve, with the plumbing model
             config = FALLBACK_CONFIG
+    from ds4jax.model.quantized import device_bytes
     from ds4jax.model.sharding import MeshError, Placement
 
     placement = Placement(args.mesh)
     try:
         cfg, params, tokenizer, banner = load_model(
-            model, config, args.seed, attention_impl=args.attention_impl, shardings=placement
-        )
+            model, config, args.seed, attention_impl=args.attention_impl, shardings=placement,
+            weights=args.weights,
+        )  # fmt: skip
     except MeshError as err:
         raise SystemExit(f"ds4jax serve: {err}") from err
     if model == DEFAULT_MODEL:
@@ -102,6 +105,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
         raise SystemExit("ds4jax serve: --sessions must be at least 1")
     if not 1 <= args.max_batch <= 8:
         raise SystemExit("ds4jax serve: --max-batch must be between 1 and 8")
+    per_device = max(device_bytes(params).values())
+    banner += f"; weights {args.weights}: {per_device / 2**20:.1f} MB per device"
     mesh = placement.mesh
     if args.num_processes > 1:
         import jax

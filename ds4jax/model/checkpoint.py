@@ -25,6 +25,7 @@ import orbax.checkpoint as ocp
 
 from ds4jax.chat.tokenizer import Tokenizer
 from ds4jax.config import CONFIG_DIR, Config
+from ds4jax.model import quantized
 from ds4jax.model.loading import CheckpointError, load_hf_checkpoint
 from ds4jax.model.official import is_official_layout, load_official_checkpoint
 from ds4jax.model.params import Params, param_shapes
@@ -158,14 +159,20 @@ def detect_layout(directory: str | Path) -> str:
 
 
 def load_any(
-    src: str | Path, dtype: Any = jnp.bfloat16, shardings: Any = None
+    src: str | Path, dtype: Any = jnp.bfloat16, shardings: Any = None, resident: bool = False
 ) -> tuple[Config, Params]:
-    """(config, params) from any supported layout (see `detect_layout`)."""
+    """(config, params) from any supported layout (see `detect_layout`). `resident`: keep
+    FP8/FP4 tensors in their formats (`model.quantized`; the official layout only)."""
     layout = detect_layout(src)
+    if resident and layout != "official":
+        raise CheckpointError(
+            f"{src}: --weights fp8 keeps the release's FP8/FP4 tensors on device; it needs a "
+            f"checkpoint in the official layout, not {layout}"
+        )
     if layout == "orbax":
         return restore_params(src, shardings, dtype)
     if layout == "official":
-        cfg, params = load_official_checkpoint(src, dtype=dtype)
+        cfg, params = load_official_checkpoint(src, dtype=dtype, resident=resident)
     else:
         cfg, params = load_hf_checkpoint(src, dtype=dtype)
     return cfg, _placed(params, cfg, shardings)
@@ -182,6 +189,12 @@ def _placed(params: Params, cfg: Config, shardings: Any) -> Params:
         return params
     if jax.process_count() > 1:  # a global sharding takes host data, the same everywhere
         params = jax.tree.map(np.asarray, params)
+    if not isinstance(shardings, jax.sharding.Sharding):
+        # a resident FP8/FP4 weight: its values and exponents, from the weight's sharding
+        shardings = jax.tree.map(
+            lambda s, w: quantized.shardings_like(s, w) if quantized.is_quantized(w) else s,
+            shardings, params, is_leaf=quantized.is_quantized,
+        )  # fmt: skip
     return jax.device_put(params, shardings)
 
 
@@ -212,6 +225,14 @@ def resolve_model_dir(name_or_path: str | Path) -> Path:
     raise FileNotFoundError(f"no model {str(name_or_path)!r}: no such directory (named: {names})")
 
 
+#: `--weights` → the dtype of what is not kept quantized
+WEIGHTS: dict[str, Any] = {"f32": jnp.float32, "bf16": jnp.bfloat16, "fp8": jnp.bfloat16}
+WEIGHTS_HELP = (
+    "f32 (default), bf16 (both dequantize a release at load), or fp8: the official release's "
+    "FP8 linears and FP4 experts stay so on device, expanded inside the step"
+)
+
+
 def load_model(
     model: str | Path | None,
     config: str | None = None,
@@ -220,20 +241,33 @@ def load_model(
     *,
     attention_impl: str | None = None,
     shardings: Any = None,
+    weights: str | None = None,
 ) -> tuple[Config, Params, Tokenizer, str]:
     """(config, params, tokenizer, description) for the CLI and the server: a checkpoint
     directory or named model (its own tokenizer.json or SentencePiece `.model` when it ships
     one, else the official V4 tokenizer), or a named config with random weights.
     `attention_impl` overrides the config's (xla / pallas / auto). `shardings`: where the
-    params go, as `restore_params` takes it (`model.sharding.Placement` for a `--mesh`)."""
-    cfg, params, tokenizer, what = _load(model, config, seed, dtype, shardings)
+    params go, as `restore_params` takes it (`model.sharding.Placement` for a `--mesh`).
+    `weights` (`WEIGHTS`, overrides `dtype`): f32, bf16, or fp8 — the release's FP8/FP4
+    tensors kept as they are on device, the rest bf16."""
+    resident = weights == "fp8"
+    if weights is not None:
+        if weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {sorted(WEIGHTS)}, not {weights!r}")
+        dtype = WEIGHTS[weights]
+    cfg, params, tokenizer, what = _load(model, config, seed, dtype, shardings, resident)
     if attention_impl is not None:
         cfg = cfg.replace(attention_impl=attention_impl)
     return cfg, params, tokenizer, what
 
 
 def _load(
-    model: str | Path | None, config: str | None, seed: int, dtype: Any, shardings: Any
+    model: str | Path | None,
+    config: str | None,
+    seed: int,
+    dtype: Any,
+    shardings: Any,
+    resident: bool = False,
 ) -> tuple[Config, Params, Tokenizer, str]:
     from ds4jax.chat.tokenizer import load_tokenizer
     from ds4jax.config import load_config
@@ -241,11 +275,13 @@ def _load(
 
     if model is not None:
         d = resolve_model_dir(model)
-        cfg, params = load_any(d, dtype=dtype, shardings=shardings)
+        cfg, params = load_any(d, dtype=dtype, shardings=shardings, resident=resident)
         own = (d / "tokenizer.json").is_file() or any(d.glob("*.model"))
         return cfg, params, load_tokenizer(d if own else None), f"model {model}"
     if config is None:
         raise ValueError("name a model or a config")
+    if resident:
+        raise ValueError("--weights fp8 needs a checkpoint in the official layout (--model)")
     cfg = load_config(config)
     params = _placed(init_params(cfg, seed=seed, dtype=dtype), cfg, shardings)
     what = (

@@ -20,6 +20,7 @@ import numpy as np
 from ds4jax.config import Config
 from ds4jax.model.layers import attention, hc_head, hc_post, hc_pre, linear, moe, rmsw
 from ds4jax.model.params import Params
+from ds4jax.model.quantized import dense
 from ds4jax.model.state import DecodeState
 
 CHUNK_SIZES: tuple[int, ...] = (16, 64, 256, 512)
@@ -61,6 +62,10 @@ def forward_chunk(
     return new, logits
 
 
+#: the routed experts' keys in a layer's `ffn` params: expanded one expert at a time
+EXPERT_KEYS = frozenset({"w1", "w2", "w3"})
+
+
 def run_layers(
     params: Params,
     cfg: Config,
@@ -80,11 +85,12 @@ def run_layers(
     layers = []
     for i, (lp, ls) in enumerate(zip(params["layers"], layer_states, strict=True)):
         y, post, comb = hc_pre(cfg, X, lp["hc_attn_fn"], lp["hc_attn_scale"], lp["hc_attn_base"])
-        a, ls = attend(i, lp["attn"], ls, rmsw(y, lp["attn_norm"], cfg.rms_eps))
+        # resident FP8 weights are expanded here, a layer at a time; FP4 experts one by one
+        a, ls = attend(i, dense(lp["attn"]), ls, rmsw(y, lp["attn_norm"], cfg.rms_eps))
         X = hc_post(a, X, post, comb)
         y, post, comb = hc_pre(cfg, X, lp["hc_ffn_fn"], lp["hc_ffn_scale"], lp["hc_ffn_base"])
-        f = moe(cfg, lp["ffn"], rmsw(y, lp["ffn_norm"], cfg.rms_eps), tokens,
-                cfg.hash_layers[i], rows)  # fmt: skip
+        f = moe(cfg, dense(lp["ffn"], keep=EXPERT_KEYS), rmsw(y, lp["ffn_norm"], cfg.rms_eps),
+                tokens, cfg.hash_layers[i], rows)  # fmt: skip
         X = hc_post(f, X, post, comb)
         layers.append(ls)
     return X, layers

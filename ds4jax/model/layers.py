@@ -16,6 +16,7 @@ import numpy as np
 from ds4jax import pallas_kernels
 from ds4jax.config import Config
 from ds4jax.model import quant_sim
+from ds4jax.model.quantized import dequantize, expert
 from ds4jax.model.rope import apply_rope, inv_freqs
 from ds4jax.model.state import LayerState
 
@@ -23,8 +24,9 @@ Params = dict[str, Any]
 NEG_INF = -jnp.inf
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.einsum("...i,oi->...o", x, w)
+def linear(x: jax.Array, w: Any) -> jax.Array:
+    """x @ wᵀ; a resident FP8 weight (`model.quantized`) is expanded here, at its use."""
+    return jnp.einsum("...i,oi->...o", x, dequantize(w, x.dtype))
 
 
 def rms(x: jax.Array, eps: float) -> jax.Array:
@@ -292,9 +294,7 @@ def _moe_selected_once(cfg: Config, p: Params, x: jax.Array, sel: jax.Array, w: 
     first = jnp.concatenate([jnp.array([True]), experts[1:] != experts[:-1]])
 
     def add(e: jax.Array, acc: jax.Array) -> jax.Array:
-        w1 = jax.lax.dynamic_index_in_dim(p["w1"], e, 0, keepdims=False)
-        w3 = jax.lax.dynamic_index_in_dim(p["w3"], e, 0, keepdims=False)
-        w2 = jax.lax.dynamic_index_in_dim(p["w2"], e, 0, keepdims=False)
+        w1, w3, w2 = (expert(p[n], e, x.dtype) for n in ("w1", "w3", "w2"))
         h = _swiglu(cfg, linear(x, w1), linear(x, w3)) * dense_w[:, e][:, None]
         return acc + linear(h, w2)
 
@@ -326,9 +326,7 @@ def moe(
             acc = jnp.zeros_like(x[t])
             for j in range(k):
                 e = sel[t, j]
-                w1 = jax.lax.dynamic_index_in_dim(p["w1"], e, 0, keepdims=False)
-                w3 = jax.lax.dynamic_index_in_dim(p["w3"], e, 0, keepdims=False)
-                w2 = jax.lax.dynamic_index_in_dim(p["w2"], e, 0, keepdims=False)
+                w1, w3, w2 = (expert(p[n], e, x.dtype) for n in ("w1", "w3", "w2"))
                 h = _swiglu(cfg, w1 @ x[t], w3 @ x[t])
                 acc = acc + w[t, j] * (w2 @ h)
             routed = routed.at[t].set(acc)
@@ -339,10 +337,11 @@ def moe(
         # extra FLOPs at these sizes; measured in bench/moe notes).
         F = cfg.moe_intermediate_size
         dense_w = jnp.zeros((T, E), x.dtype).at[jnp.arange(T)[:, None], sel].add(w)
-        g = linear(x, p["w1"].reshape(E * F, -1)).reshape(T, E, F)
-        u = linear(x, p["w3"].reshape(E * F, -1)).reshape(T, E, F)
+        w1, w3, w2 = (dequantize(p[n], x.dtype) for n in ("w1", "w3", "w2"))
+        g = linear(x, w1.reshape(E * F, -1)).reshape(T, E, F)
+        u = linear(x, w3.reshape(E * F, -1)).reshape(T, E, F)
         h = (_swiglu(cfg, g, u) * dense_w[..., None]).reshape(T, E * F)
-        routed = h @ jnp.transpose(p["w2"], (0, 2, 1)).reshape(E * F, -1)
+        routed = h @ jnp.transpose(w2, (0, 2, 1)).reshape(E * F, -1)
     out = routed
     if cfg.num_shared_experts:
         out = out + linear(

@@ -20,7 +20,7 @@ import numpy as np
 from safetensors import safe_open
 
 from ds4jax.config import Config, load_config
-from ds4jax.model import names
+from ds4jax.model import names, quantized
 from ds4jax.model.params import Params, param_shapes, path_name
 
 
@@ -83,18 +83,19 @@ def assemble(
         p = path_name(path)
         rest = p.split(".", 2)[-1] if p.startswith("layers.") else p
         if rest in names.EXPERT_LEAVES:
-            arr = np.stack(
-                [
-                    read(_first(src, names.expert_candidates(p, e), f"{p}[expert {e}]"))
-                    for e in range(cfg.num_experts)
-                ]
-            )
+            parts = [
+                read(_first(src, names.expert_candidates(p, e), f"{p}[expert {e}]"))
+                for e in range(cfg.num_experts)
+            ]
+            arr = quantized.stack(parts) if quantized.is_quantized(parts[0]) else np.stack(parts)
         else:
             arr = read(_first(src, names.candidates(p), p))
         if tuple(arr.shape) != tuple(leaf.shape):
             raise CheckpointError(
                 f"tensor for {p} has shape {tuple(arr.shape)}, config expects {leaf.shape}"
             )
+        if quantized.is_quantized(arr):  # kept in its own formats (`--weights fp8`)
+            return quantized.to_device(arr)
         return jnp.asarray(arr, dtype=leaf.dtype)
 
     params = jax.tree_util.tree_map_with_path(load, shapes)

@@ -19,9 +19,10 @@ Format (as read and as written here):
   head) is a plain BF16/F16/F32 tensor, `tid2eid` an integer tensor; any 2-D weight may
   instead be FP8 with a `.scale` (the head, for instance). `mtp.*` tensors are ignored.
 
-Weights are **dequantized at load**: kept in bf16 (or f32) on device, never in FP8/FP4. The
+Weights are **dequantized at load** by default: kept in bf16 (or f32) on device. The
 dequantization is exact in bf16 (an FP8/FP4 value times a power of two has at most 4
-significant bits), so loading in bf16 loses nothing relative to f32.
+significant bits), so loading in bf16 loses nothing relative to f32. With `resident=True`
+(`--weights fp8`) the FP8/FP4 tensors stay so on device instead (`model.quantized`).
 
 Quantization choices of the writer (used by tests and tooling, not needed to serve): the
 scale of a block is the smallest power of two that keeps every element representable,
@@ -287,8 +288,10 @@ class OfficialReader:
         dtype: Any,
         block: tuple[int, int] = FP8_BLOCK,
         workers: int | None = None,
+        resident: bool = False,
     ) -> None:
         self.src, self.out_dtype, self.block = src, np.dtype(dtype), block
+        self.resident = resident
         workers = workers if workers is not None else min(8, os.cpu_count() or 1)
         self._pool = ThreadPoolExecutor(workers) if workers > 1 else None
         self._pending: dict[str, Future[np.ndarray]] = {}
@@ -326,13 +329,16 @@ class OfficialReader:
                     self._pending[sib] = self._pool.submit(self.load, sib)
         return self.load(name)
 
-    def load(self, name: str) -> np.ndarray:
-        """One tensor, dequantized and cast (does not mark anything used)."""
+    def load(self, name: str) -> Any:
+        """One tensor, dequantized and cast — or, `resident`, an FP8/FP4 one as a
+        `quantized.QWeight` (does not mark anything used)."""
         src = self.src
         a = read_tensor(src.info(name), name)
         sname = scale_name(name)
         if sname is not None and sname in src:
             s = read_tensor(src.info(sname), sname)
+            if self.resident:
+                return _resident(a, s, self.block, name)
             if a.dtype == _FP8:
                 w = dequantize_fp8(a, s, self.block, what=name)
             elif a.dtype in (np.dtype(np.int8), np.dtype(np.uint8)):
@@ -351,6 +357,44 @@ class OfficialReader:
         return a.astype(self.out_dtype)
 
 
+def _resident(a: np.ndarray, scale: np.ndarray, block: tuple[int, int], what: str) -> Any:
+    """An FP8 or packed-FP4 tensor and its scale as a `QWeight`: values in their own dtype,
+    scales as E8M0 exponent bytes (checked as `dequantize_*` check them)."""
+    from ds4jax.model.quantized import QWeight
+
+    exp = _exponents(scale, what)
+    if a.dtype == _FP8:
+        if a.ndim != 2 or tuple(exp.shape) != _blocks(a.shape, block):
+            raise CheckpointError(
+                f"{what}: FP8 weight {tuple(a.shape)} with scale {tuple(exp.shape)}: expected "
+                f"a 2-D weight and one scale per {block[0]}x{block[1]} block"
+            )
+        return QWeight(a, exp, block)
+    if a.dtype in (np.dtype(np.int8), np.dtype(np.uint8)):
+        o, i = a.shape[0], 2 * a.shape[1]
+        if a.ndim != 2 or i % FP4_BLOCK or tuple(exp.shape) != (o, i // FP4_BLOCK):
+            raise CheckpointError(
+                f"{what}: FP4 scale has shape {tuple(exp.shape)}, expected "
+                f"{(o, i // FP4_BLOCK)} for a packed {tuple(a.shape)} weight"
+            )
+        codes = unpack_fp4(a).view(ml_dtypes.float4_e2m1fn)
+        return QWeight(codes, exp, (1, FP4_BLOCK))
+    raise CheckpointError(f"{what}: dtype {a.dtype} with a .scale is not FP8/FP4")
+
+
+def _exponents(scale: np.ndarray, what: str) -> np.ndarray:
+    """Scales → E8M0 exponent bytes; a float scale must be a power of two."""
+    if scale.dtype in (_E8M0, np.dtype(np.uint8)):
+        e = scale.view(np.uint8)
+        if np.any(e == 0xFF):
+            raise CheckpointError(f"{what}: E8M0 scale 0xFF (NaN)")
+        return e.copy()
+    m, k = np.frexp(scale_values(scale, what).astype(np.float64))
+    if np.any(m != 0.5):
+        raise CheckpointError(f"{what}: a scale that is not a power of two cannot stay E8M0")
+    return (k - 1 + E8M0_BIAS).astype(np.uint8)
+
+
 def load_official_checkpoint(
     directory: str | Path,
     cfg: Config | None = None,
@@ -358,12 +402,15 @@ def load_official_checkpoint(
     *,
     quant_sim: bool | None = None,
     workers: int | None = None,
+    resident: bool = False,
 ) -> tuple[Config, Params]:
     """An official release directory → (config, params), dequantized at load to `dtype`.
 
     `cfg` defaults to `load_config(directory)`; `quant_sim` overrides its flag (the release's
     own graph simulates FP8 KV and the FP4 indexer, transformers' reading does not).
     `workers`: threads dequantizing routed experts ahead (default min(8, CPUs); 1 = none).
+    `resident`: FP8 and FP4 tensors stay in their formats (`model.quantized.QWeight`,
+    `--weights fp8`), expanded inside the step; the rest is `dtype`.
     Any missing, unknown, mis-shaped or malformed tensor is a `CheckpointError` naming it."""
     directory = Path(directory)
     cfg = cfg or load_config(directory)
@@ -374,7 +421,7 @@ def load_official_checkpoint(
     if len(block) != 2:
         raise CheckpointError(f"{directory}: weight_block_size {block} is not 2-D")
     src = open_source(directory)
-    with OfficialReader(src, dtype, block, workers) as read:
+    with OfficialReader(src, dtype, block, workers, resident) as read:
         return cfg, assemble(cfg, src, read, dtype)
 
 

@@ -155,6 +155,21 @@ SCRIPT = textwrap.dedent(
     cerr = float(np.abs(a - b).max())
     print("cli_max_err", cerr)
     assert cerr <= 1e-5, cerr
+
+    # --weights fp8 on the mesh: the release's FP8/FP4 tensors sharded as they are, the same
+    # logits as dequantized at load on one device
+    from ds4jax.model.official import write_official_checkpoint
+
+    rel = os.path.join(d, "release")
+    write_official_checkpoint(tp, tiny, rel, fp8_head=True)
+    for name, weights, spec in (("bf16", "bf16", "none"), ("fp8", "fp8", "expert=2,tensor=4")):
+        argv = ["dump-logits", "--model", rel, "--weights", weights, "--prompt", "hello there",
+                "--quant-sim", "off", "--mesh", spec, "--out", os.path.join(d, name + ".npy")]
+        assert cli.main(argv) == 0
+    a, b = (np.load(os.path.join(d, n + ".npy")) for n in ("bf16", "fp8"))
+    ferr = float(np.abs(a - b).max())
+    print("fp8_mesh_err", ferr)
+    assert ferr <= 1e-5, ferr
     """
 )
 
@@ -174,6 +189,7 @@ def test_eight_device_mesh_matches_one_device() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert "batch_max_err" in out.stdout and "engine_max_err" in out.stdout
     assert "cli_max_err" in out.stdout and "cross_mesh_restore_err" in out.stdout
+    assert "fp8_mesh_err" in out.stdout
 
 
 def test_logical_axes_put_experts_and_heads_on_their_axes() -> None:

@@ -1,0 +1,101 @@
+"""`--weights fp8`: the official release's FP8 linears and FP4 experts stay in their own
+formats on device and are expanded inside the step (issue 16). A random small model written
+in the release layout is read both ways; every path that touches the weights — the prefill
+(all experts at once), one decode step (the selected experts one by one), the batched step
+(each selected expert once) and the head — gives the dequantize-at-load logits, and the
+quantized leaves take half the bytes of bf16."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ds4jax.model import batch as batch_ops
+from ds4jax.model import official
+from ds4jax.model.checkpoint import load_model
+from ds4jax.model.forward import decode_step, prefill
+from ds4jax.model.loading import CheckpointError
+from ds4jax.model.params import init_params
+from ds4jax.model.quantized import QWeight, dequantize, device_bytes, is_quantized
+from ds4jax.model.state import init_state
+from tests.model.conftest import small_config
+
+CFG = small_config(num_layers=2, compress_ratios=(4, 8), hash_layers=(True, False), quant_sim=False)
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("release")
+    official.write_official_checkpoint(init_params(CFG, 0), CFG, d, fp8_head=True)
+    return d
+
+
+@pytest.fixture(scope="module")
+def both(release: Path) -> tuple:
+    _, at_load = official.load_official_checkpoint(release, CFG, dtype=jnp.bfloat16)
+    _, resident = official.load_official_checkpoint(release, CFG, dtype=jnp.bfloat16,
+                                                    resident=True)  # fmt: skip
+    return at_load, resident
+
+
+def test_fp8_and_fp4_tensors_stay_in_their_formats(both: tuple) -> None:
+    at_load, resident = both
+    layer = resident["layers"][0]
+    assert layer["attn"]["wq_a"].q.dtype == jnp.float8_e4m3fn
+    assert layer["attn"]["wq_a"].block == official.FP8_BLOCK
+    assert layer["ffn"]["w1"].q.dtype == jnp.float4_e2m1fn
+    assert layer["ffn"]["w1"].block == (1, official.FP4_BLOCK)
+    assert is_quantized(resident["head"]) and not is_quantized(resident["embed"])
+    quantized = [w for w in jax.tree.leaves(resident, is_leaf=is_quantized) if is_quantized(w)]
+    q_bytes = sum(w.nbytes for w in quantized)
+    bf16_bytes = sum(int(np.prod(w.shape)) * 2 for w in quantized)
+    # one byte per value (FP4 too, where the platform stores a sub-byte dtype per byte) and
+    # one exponent byte per block: about half of bf16
+    assert 0.5 < q_bytes / bf16_bytes < 0.52, q_bytes / bf16_bytes
+    total, dense_total = (sum(device_bytes(p).values()) for p in (resident, at_load))
+    assert total < dense_total - 0.45 * bf16_bytes
+
+
+rows_step = jax.jit(lambda p, b, t: batch_ops.forward_rows(p, b, t, CFG))
+
+
+def test_logits_equal_the_dequantize_at_load_path(both: tuple) -> None:
+    at_load, resident = both
+    tokens = list(range(7, 7 + 70))
+    outs = []
+    for params in (at_load, resident):
+        state, _ = prefill(params, init_state(CFG, 128), tokens, CFG, chunk_sizes=(64,))
+        stepped = decode_step(params, state, jnp.int32(11), CFG)
+        batch = batch_ops.insert(batch_ops.empty_batch(CFG, 128, 2), np.int32(0), state)
+        batch = batch_ops.insert(batch, np.int32(1), stepped)
+        rows = rows_step(params, batch, jnp.array([5, 9], jnp.int32))
+        outs.append([np.asarray(x.logits) for x in (state, stepped, rows)])
+    for a, b in zip(*outs, strict=True):
+        assert np.abs(a - b).max() <= 1e-5, np.abs(a - b).max()
+
+
+def test_dequantize_matches_the_numpy_reader_on_partial_blocks() -> None:
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(200, 300)).astype(np.float32)
+    q, s = official.quantize_fp8(w)
+    got = dequantize(QWeight(jnp.asarray(q), jnp.asarray(s.view(np.uint8)), official.FP8_BLOCK))
+    np.testing.assert_array_equal(np.asarray(got), official.dequantize_fp8(q, s))
+    packed, s4 = official.quantize_fp4(w[:, :256])
+    codes = official.unpack_fp4(packed).view(ml_dtypes.float4_e2m1fn)
+    got4 = dequantize(QWeight(jnp.asarray(codes), jnp.asarray(s4.view(np.uint8)), (1, 32)))
+    np.testing.assert_array_equal(np.asarray(got4), official.dequantize_fp4(packed, s4))
+
+
+def test_fp8_needs_the_official_layout(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="official layout"):
+        load_model(None, "tiny", weights="fp8")
+    from ds4jax.model.checkpoint import save_params
+
+    save_params(init_params(CFG, 0), CFG, tmp_path / "orbax")
+    with pytest.raises(CheckpointError, match="official layout, not orbax"):
+        load_model(tmp_path / "orbax", weights="fp8")
