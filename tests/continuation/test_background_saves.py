@@ -23,7 +23,7 @@ class GatedStore(NoStore):
         return len(tokens)
 
     def save(self, tokens, segments, state, reason, tool_memory) -> None:
-        assert self.gate.wait(30), "the test never opened the gate"
+        assert self.gate.wait(600), "the test never opened the gate"
         assert int(state.pos) == len(tokens)  # the immutable state of exactly these tokens
         self.saved.append((len(tokens), reason))
 
