@@ -203,9 +203,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def add_weights(sp: argparse.ArgumentParser) -> None:
-    from ds4jax.model.checkpoint import WEIGHTS, WEIGHTS_HELP
-
-    sp.add_argument("--weights", choices=sorted(WEIGHTS), default="f32", help=WEIGHTS_HELP)
+    # the names `checkpoint.WEIGHTS` maps (not imported here: it loads Orbax, whose import
+    # takes over logging before `serve` configures it)
+    sp.add_argument(
+        "--weights", choices=["f32", "bf16", "fp8"], default="f32",
+        help="f32 (default), bf16 (both dequantize a release at load), or fp8: the official "
+        "release's FP8 linears and FP4 experts stay so on device, expanded inside the step",
+    )  # fmt: skip
 
 
 def add_attention_impl(sp: argparse.ArgumentParser) -> None:

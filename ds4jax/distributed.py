@@ -29,11 +29,17 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import jax
+import numpy as np
 
 from ds4jax.engine import Engine, EngineError, Prepared, Ticket
+from ds4jax.kvstore import policy
+from ds4jax.kvstore.disk import KVStoreError
+from ds4jax.kvstore.store import DiskHit
+from ds4jax.model.state import init_state
 
 log = logging.getLogger("ds4jax.distributed")
 
@@ -103,6 +109,93 @@ class Channel:
         return [p for p in everyone if p not in live]
 
 
+def _answer(channel: Channel, poll_s: float = 1.0) -> Any:
+    """A follower's wait for the leader's next answer (published mid-step)."""
+    while True:
+        op = channel.receive(poll_s)
+        if op is None:
+            if 0 in channel.dead():
+                raise RuntimeError("the leader (process 0) stopped")
+            continue
+        if op[0] != "answer":
+            raise RuntimeError(f"expected the leader's answer, got {op[0]!r}: out of step")
+        return op[1]
+
+
+def _broadcast_state(state: Any) -> Any:
+    """A decode state from process 0 to every process (a collective: all call it at the
+    same point, the others with zeros of the same shapes); host arrays back."""
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.broadcast_one_to_all(jax.tree.map(np.asarray, state))
+
+
+class LeaderStore:
+    """Process 0's disk store: it alone reads and writes the disk. What the scheduler
+    learns from it mid-step — a lookup's hit, a cold save point, whether a load worked — is
+    published for the followers, and a loaded state is broadcast to them."""
+
+    def __init__(self, store: Any, channel: Channel) -> None:
+        self.store = store
+        self.channel = channel
+
+    def __getattr__(self, name: str) -> Any:  # continued_every, save, flush, tool_entries, …
+        return getattr(self.store, name)
+
+    def lookup(self, segments: Any) -> Any:
+        hit = self.store.lookup(segments)
+        if hit is None:
+            self.channel.publish(("answer", None))
+            return None
+        self.channel.publish(("answer", (hit.key, hit.tokens, hit.segments, hit.tool_entries)))
+        return replace(hit, load=lambda: self._load(hit))
+
+    def _load(self, hit: Any) -> Any:
+        try:
+            state = hit.load()
+        except Exception as err:
+            self.channel.publish(("answer", f"{type(err).__name__}: {err}"))
+            raise
+        self.channel.publish(("answer", None))
+        return _broadcast_state(state)
+
+    def cold_cut(self, tokens: Any, segments: Any) -> int | None:
+        cut = self.store.cold_cut(tokens, segments)
+        self.channel.publish(("answer", cut))
+        return cut
+
+
+class FollowerStore:
+    """A follower's disk store: no disk. It answers what the leader's store answered, and a
+    hit's state arrives by broadcast from process 0."""
+
+    def __init__(self, channel: Channel, cfg: Any, max_len: int,
+                 continued_every: int = policy.CONTINUED_EVERY) -> None:  # fmt: skip
+        """`continued_every`: the leader's (`ds4jax serve` leaves it at the default)."""
+        self.channel = channel
+        self.empty = jax.eval_shape(lambda: init_state(cfg, max_len))  # a broadcast's shapes
+        self.continued_every = continued_every
+
+    def lookup(self, segments: Any) -> DiskHit | None:
+        found = _answer(self.channel)
+        if found is None:
+            return None
+        key, tokens, segs, tool_entries = found
+        return DiskHit(key, tokens, segs, self._load, tool_entries)
+
+    def _load(self) -> Any:
+        failed = _answer(self.channel)
+        if failed is not None:
+            raise KVStoreError(f"the leader could not load the checkpoint: {failed}")
+        return _broadcast_state(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), self.empty))
+
+    def cold_cut(self, tokens: Any, segments: Any) -> int | None:
+        return _answer(self.channel)
+
+    def save(self, *_args: Any) -> None:
+        return None  # process 0 keeps the checkpoints
+
+
 class Leader:
     """Process 0's engine, as the server's worker sees it: `submit`, `tick`, `abort`,
     `warm_up` and `shutdown` publish before they run; everything else is the engine's."""
@@ -157,6 +250,13 @@ class Leader:
             self.channel.publish(("warm_up",))
             self.engine.warm_up()
 
+    def remember(self, tool_entries: dict[str, str]) -> None:
+        """Tool ids → sampled DSML from the disk store (process 0's), on every process."""
+        with self._lock:
+            self.channel.publish(("remember", tool_entries))
+            for tid, block in tool_entries.items():
+                self.engine.tool_memory.remember([tid], block)
+
     def watch(self, on_dead: Callable[[list[int]], None]) -> None:
         """Start the `Watchdog`; `shutdown` stops it first (a clean exit is no failure)."""
         self._watchdog = Watchdog(self.channel, on_dead)
@@ -209,6 +309,9 @@ def follow(engine: Engine, channel: Channel, poll_s: float = 1.0) -> int:
             tickets = {}
         elif kind == "warm_up":
             engine.warm_up()
+        elif kind == "remember":
+            for tid, block in op[1].items():
+                engine.tool_memory.remember([tid], block)
         elif kind == "shutdown":
             engine.shutdown()
             channel.client.wait_at_barrier(_STOP_BARRIER, STOP_TIMEOUT_S * 1000)

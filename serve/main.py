@@ -96,11 +96,13 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     store = None
     if args.kv_disk_dir:
         from ds4jax.kvstore.disk import DiskStore
+        from ds4jax.kvstore.fingerprint import model_fingerprint
 
-        store = DiskStore.for_model(
-            args.kv_disk_dir, cfg, params, tokenizer, max_len=args.ctx,
-            budget_mb=args.kv_disk_space_mb,
-        )  # fmt: skip
+        # on every process: over params split across processes it is a collective
+        fingerprint = model_fingerprint(cfg, params, tokenizer)
+        if args.process_id == 0:  # the only process that touches the disk
+            store = DiskStore(args.kv_disk_dir, fingerprint, cfg=cfg, max_len=args.ctx,
+                              tokenizer=tokenizer, budget_mb=args.kv_disk_space_mb)  # fmt: skip
     if args.sessions < 1:
         raise SystemExit("ds4jax serve: --sessions must be at least 1")
     if not 1 <= args.max_batch <= 8:
@@ -115,10 +117,6 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
             raise SystemExit(
                 f"ds4jax serve: {args.num_processes} processes need a --mesh over all "
                 f"{jax.device_count()} devices (got {'none' if mesh is None else mesh.size})"
-            )
-        if args.kv_disk_dir:
-            raise SystemExit(
-                "ds4jax serve: --kv-disk-dir with several processes is not supported yet"
             )
         banner += f"; process {args.process_id} of {args.num_processes}"
     if mesh is not None:
@@ -214,9 +212,15 @@ def serve(args: argparse.Namespace) -> int:
     if group:
         channel = distributed.Channel()
         if args.process_id:
+            if args.kv_disk_dir:
+                engine.store = distributed.FollowerStore(channel, engine.cfg, engine.max_len)
             print("ds4jax: following process 0", file=sys.stderr, flush=True)
             return distributed.follow(engine, channel)
+        if args.kv_disk_dir:
+            engine.store = distributed.LeaderStore(engine.store, channel)
         engine = distributed.Leader(engine, channel)
+        if args.kv_disk_dir:  # the followers' tool memory, as the leader read it from disk
+            engine.remember(engine.store.tool_entries())
     worker = EngineWorker(engine, max_queue=args.queue)
     if args.trace:
         worker.hooks.append(trace_hook(args.trace))

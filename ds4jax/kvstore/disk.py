@@ -170,10 +170,27 @@ def _write_json(path: Path, doc: Mapping[str, Any]) -> None:
         raise
 
 
+def _checkpointer() -> Any:
+    """A synchronous Orbax checkpointer (no commit thread) of host arrays. Across processes
+    only process 0 touches the disk (`ds4jax.distributed`: the others get loaded states by
+    broadcast), so Orbax is told that process 0 alone takes part: no barrier waits for
+    processes that never save."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    if jax.process_count() == 1:
+        return ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    alone = ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0})
+    return ocp.Checkpointer(
+        ocp.StandardCheckpointHandler(multiprocessing_options=alone),
+        multiprocessing_options=alone,
+    )
+
+
 def _write_payload(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
     import orbax.checkpoint as ocp
 
-    ck = ocp.Checkpointer(ocp.StandardCheckpointHandler())  # synchronous: no commit thread
+    ck = _checkpointer()
     try:
         ck.save(path, args=ocp.args.StandardSave(dict(arrays)))
     finally:
@@ -216,7 +233,7 @@ def _read_payload(path: Path, arrays: Mapping[str, Any]) -> dict[str, np.ndarray
     target = {}
     for name, spec in arrays.items():
         target[name] = np.empty(tuple(spec["shape"]), jnp.dtype(spec["dtype"]))
-    ck = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    ck = _checkpointer()
     try:
         out = ck.restore(path, args=ocp.args.StandardRestore(target))
     finally:

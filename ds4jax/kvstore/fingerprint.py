@@ -40,8 +40,18 @@ def params_identity(params: Any) -> str:
                 x = x[0]
             if getattr(x, "ndim", 0) == 1:
                 x = x[:SAMPLED_ELEMENTS]
-            h.update(np.asarray(x).tobytes())
+            h.update(np.asarray(_gathered(x)).tobytes())
     return h.hexdigest()
+
+
+def _gathered(x: Any) -> Any:
+    """A slice of params split over several processes, made whole on every one: a
+    collective, so every process of the group computes the identity alike."""
+    if getattr(x, "is_fully_addressable", True):
+        return x
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return jax.jit(lambda a: a, out_shardings=NamedSharding(x.sharding.mesh, PartitionSpec()))(x)
 
 
 def tokenizer_identity(tokenizer: Any) -> str:

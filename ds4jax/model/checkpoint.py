@@ -227,10 +227,6 @@ def resolve_model_dir(name_or_path: str | Path) -> Path:
 
 #: `--weights` → the dtype of what is not kept quantized
 WEIGHTS: dict[str, Any] = {"f32": jnp.float32, "bf16": jnp.bfloat16, "fp8": jnp.bfloat16}
-WEIGHTS_HELP = (
-    "f32 (default), bf16 (both dequantize a release at load), or fp8: the official release's "
-    "FP8 linears and FP4 experts stay so on device, expanded inside the step"
-)
 
 
 def load_model(

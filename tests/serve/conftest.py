@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -359,8 +360,9 @@ class ServeGroup:
     on 127.0.0.1, gloo collectives): the leader serves HTTP, the followers replay."""
 
     def __init__(self, processes: int = 2, devices_each: int = 4) -> None:
+        self.kv_dir = tempfile.mkdtemp(prefix="ds4jax-group-kv-")
         group = ("--coordinator", f"127.0.0.1:{free_port()}", "--num-processes",
-                 str(processes))  # fmt: skip
+                 str(processes), "--kv-disk-dir", self.kv_dir)  # fmt: skip
         env = {"JAX_NUM_CPU_DEVICES": str(devices_each), "XLA_FLAGS": ""}
         # followers first: the leader's HTTP port is the one tests use
         self.followers = [

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import anthropic
+import jax
 import pytest
 
 from ds4jax.demo.corpus import TOOLS, run_tool
@@ -79,6 +80,57 @@ def test_the_group_serves_the_tool_loop_as_one_device_does(
         # the tool-result turn continued the live state: the call turn's whole input + output
         assert answer["usage"][2] == call["usage"][0] + call["usage"][1]
     assert leader.stderr.count(LIVE_LINE) == 2
+
+
+#: a system prompt long enough (with the tools) for the store's cold checkpoint (>= 512)
+SYSTEM = "You are the demo calculator and weather assistant of this project. " * 20
+
+
+def ask(url: str, question: str) -> Any:
+    client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    return client.messages.create(
+        model="deepseek-v4-flash", max_tokens=40, tools=TOOLS, system=SYSTEM,
+        messages=[{"role": "user", "content": question}], extra_body={"temperature": 0.0},
+    )  # fmt: skip
+
+
+def wait_for(server: ServeProcess, line: str, count: int = 1, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while server.stderr.count(line) < count:
+        assert time.monotonic() < deadline, f"no {line!r} in:\n{server.stderr[-3000:]}"
+        time.sleep(0.1)
+
+
+def test_disk_checkpoints_of_the_group_serve_it_and_one_process(
+    served_group: ServeGroup, demo_served: ServeProcess
+) -> None:
+    """Process 0 alone writes and reads the disk; a hit's state reaches the follower by
+    broadcast; and what the group wrote restores in one process on one device."""
+    leader = served_group.leader
+    ask(leader.url, "What is 17 plus 25?")  # cold: the system + tools are saved
+    wait_for(leader, "kv cache stored tokens=")
+    got = ask(leader.url, "What's the weather in Lima?")  # continues from the disk
+    wait_for(leader, "cache source=disk-text cached=")
+    want = ask(demo_served.url, "What's the weather in Lima?")  # one device, cold
+    strip = lambda m: [b.model_dump(exclude={"id"}, exclude_none=True) for b in m.content]  # noqa: E731
+    assert strip(got) == strip(want)
+    assert got.usage.cache_read_input_tokens > 512
+
+    from ds4jax.chat.anthropic import parse_messages_request
+    from ds4jax.chat.render import render
+    from ds4jax.engine import Engine
+    from ds4jax.kvstore.disk import DiskStore
+    from ds4jax.model.checkpoint import load_model
+
+    cfg, params, tok, _ = load_model("demo")
+    store = DiskStore.for_model(served_group.kv_dir, cfg, params, tok, max_len=2048)
+    body = {"system": SYSTEM, "tools": TOOLS,
+            "messages": [{"role": "user", "content": "What's the weather in Lima?"}]}  # fmt: skip
+    hit = store.lookup(tuple(render(parse_messages_request(body).conversation)))
+    assert hit is not None and len(hit.tokens) == got.usage.cache_read_input_tokens
+    restored = hit.load()  # the group's checkpoint, same model fingerprint, one device
+    cold = Engine(cfg, params, tok, max_len=2048).logits_for(hit.tokens)
+    assert abs(cold - jax.device_get(restored.logits)).max() <= 1e-5
 
 
 def health(url: str) -> int:
