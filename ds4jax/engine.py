@@ -60,6 +60,7 @@ from ds4jax.kvstore.store import KVStore, NoStore
 from ds4jax.model import batch as batch_ops
 from ds4jax.model.forward import CHUNK_SIZES, prefill
 from ds4jax.model.params import Params
+from ds4jax.model.sharding import DATA_AXIS, batch_sharding, replicated
 from ds4jax.model.state import capacity_bytes, init_state
 
 log = logging.getLogger("ds4jax.engine")
@@ -413,8 +414,6 @@ class Engine:
         size then compiled again (seconds of TTFT, once per size)."""
         if self.mesh is None:
             return jax.device_put(tree, jax.local_devices()[0])
-        from ds4jax.model.sharding import replicated
-
         if jax.process_count() > 1:  # a new state is host data, the same on every process
             tree = jax.tree.map(
                 lambda x: np.asarray(x) if getattr(x, "is_fully_addressable", True) else x, tree
@@ -422,7 +421,15 @@ class Engine:
         return jax.device_put(tree, replicated(self.mesh))
 
     def _new_batch(self) -> Any:
-        return self._place(batch_ops.empty_batch(self.cfg, self.max_len, self.max_batch))
+        """The decode batch: placed as a state is, or its rows split over the mesh's data
+        axis when it has one."""
+        batch = batch_ops.empty_batch(self.cfg, self.max_len, self.max_batch)
+        if self.mesh is None or DATA_AXIS not in self.mesh.shape:
+            return self._place(batch)
+        data = self.mesh.shape[DATA_AXIS]
+        if self.max_batch % data:
+            raise ValueError(f"a batch of {self.max_batch} rows does not split over data={data}")
+        return jax.device_put(jax.tree.map(np.asarray, batch), batch_sharding(self.mesh))
 
     def abort(self, err: Exception) -> None:
         """Fail every request in the scheduler (after a step raised): their rows and the

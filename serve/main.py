@@ -131,8 +131,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
             cfg, params, tokenizer, max_len=args.ctx, store=store, sessions=args.sessions,
             fork_points=True, state_budget_bytes=budget, max_batch=args.max_batch, mesh=mesh,
         )  # fmt: skip
-    except ValueError as err:
-        raise SystemExit(f"ds4jax serve: --state-budget-mb: {err}") from err
+    except ValueError as err:  # a state budget that holds no state, a batch the mesh cannot split
+        raise SystemExit(f"ds4jax serve: {err}") from err
     banner += (
         f"; {args.sessions} sessions, batches of up to {engine.max_batch}, "
         f"state budget {budget / 2**20:.0f} MB ({per_state / 2**20:.1f} MB per session or fork "

@@ -26,6 +26,8 @@ from ds4jax.model.params import Params, param_shapes, path_name
 
 EXPERT_AXIS = "expert"
 TENSOR_AXIS = "tensor"
+#: the decode batch's rows (`Engine`): params are replicated along it, the batch split
+DATA_AXIS = "data"
 
 
 @dataclass(frozen=True)
@@ -45,16 +47,28 @@ class ShardingRules:
         return self.rules.get(logical) if logical else None
 
 
-def make_mesh(expert: int | None = None, tensor: int = 1, devices: list[Any] | None = None) -> Mesh:
-    """A 2-D (expert, tensor) mesh over `devices` (default: all); `expert` defaults to
-    whatever `tensor` leaves."""
+def make_mesh(
+    expert: int | None = None, tensor: int = 1, devices: list[Any] | None = None, data: int = 1
+) -> Mesh:
+    """A 2-D (expert, tensor) mesh over `devices` (default: all), or 3-D (data, expert,
+    tensor) with `data` > 1; `expert` defaults to whatever the others leave."""
     devices = list(devices if devices is not None else jax.devices())
     if expert is None:
-        expert = len(devices) // tensor
-    if expert * tensor != len(devices):
-        raise ValueError(f"mesh {expert}×{tensor} does not use all {len(devices)} devices")
-    grid = np.array(devices, dtype=object).reshape(expert, tensor)
-    return Mesh(grid, (EXPERT_AXIS, TENSOR_AXIS))
+        expert = len(devices) // (tensor * data)
+    if data * expert * tensor != len(devices):
+        raise ValueError(f"mesh {data}×{expert}×{tensor} does not use all {len(devices)} devices")
+    if data == 1:
+        grid = np.array(devices, dtype=object).reshape(expert, tensor)
+        return Mesh(grid, (EXPERT_AXIS, TENSOR_AXIS))
+    grid = np.array(devices, dtype=object).reshape(data, expert, tensor)
+    return Mesh(grid, (DATA_AXIS, EXPERT_AXIS, TENSOR_AXIS))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """The decode batch (rows first): split over the data axis, when the mesh has one."""
+    if DATA_AXIS in mesh.shape:
+        return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+    return replicated(mesh)
 
 
 def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
@@ -109,21 +123,24 @@ def shard_params(params: Params, cfg: Config, mesh: Mesh, rules: ShardingRules |
 
 
 def parse_mesh(spec: str, devices: list[Any] | None = None) -> Mesh:
-    """`expert=E,tensor=T` (either may be left out: the other takes what is left) → Mesh."""
+    """`[data=D,]expert=E,tensor=T` (expert or tensor may be left out: it takes what is
+    left) → Mesh."""
     sizes: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, value = part.partition("=")
-        if name not in (EXPERT_AXIS, TENSOR_AXIS) or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"mesh {spec!r}: expected expert=E,tensor=T, got {part!r}")
+        known = (DATA_AXIS, EXPERT_AXIS, TENSOR_AXIS)
+        if name not in known or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"mesh {spec!r}: expected [data=D,]expert=E,tensor=T, got {part!r}")
         sizes[name] = int(value)
     devices = list(devices if devices is not None else jax.devices())
+    data = sizes.get(DATA_AXIS, 1)
     tensor = sizes.get(TENSOR_AXIS)
     if tensor is None:
-        expert = sizes.get(EXPERT_AXIS, 1)
-        tensor = len(devices) // expert if len(devices) % expert == 0 else 0
+        rest = data * sizes.get(EXPERT_AXIS, 1)
+        tensor = len(devices) // rest if len(devices) % rest == 0 else 0
     if not tensor:
         raise ValueError(f"mesh {spec!r} does not divide {len(devices)} devices")
-    return make_mesh(sizes.get(EXPERT_AXIS), tensor, devices)
+    return make_mesh(sizes.get(EXPERT_AXIS), tensor, devices, data)
 
 
 def default_mesh(cfg: Config, devices: list[Any] | None = None) -> Mesh | None:
@@ -146,8 +163,9 @@ def default_mesh(cfg: Config, devices: list[Any] | None = None) -> Mesh | None:
 
 
 MESH_HELP = (
-    "expert=E,tensor=T: shard the params over a device mesh; 'none': one device (default: "
-    "every device on the tensor axis where the shapes divide)"
+    "[data=D,]expert=E,tensor=T: shard the params over a device mesh (data: split the decode "
+    "batch's rows, params replicated along it); 'none': one device (default: every device "
+    "on the tensor axis where the shapes divide)"
 )
 
 

@@ -4,11 +4,11 @@ compute their twins' function on V4 Flash shapes, and how fast are they against 
     PYTHONPATH=. python3 ds4jax/pallas_kernels/check_device.py --out kernels.json
     PYTHONPATH=. python3 ds4jax/pallas_kernels/check_device.py --cpu-smoke   # tiny, interpreted
 
-A script for a borrowed accelerator, not a test: it imports only jax, numpy and ds4jax's
-config/model/pallas_kernels modules (the serving stack's dependencies need not be there),
+A script for a borrowed accelerator, not a test: it imports only jax, numpy and the kernels
+beside it (nothing above them: the whole-model timing on a device is `bench/device_model.py`),
 catches each case's failure so one bad lowering does not end the run, writes the JSON after
 every case (a run cut off by its time limit still leaves its results), and skips the
-optional sections (block-size sweep, whole model) once `--budget-s` is spent.
+optional block-size sweep once `--budget-s` is spent.
 
 Correctness: the truth is the twin under `jax.default_matmul_precision("highest")` (IEEE
 float32 dots). The kernel is checked twice: at "highest" (must match to float32 rounding,
@@ -21,7 +21,6 @@ per-call dispatch is amortised), each loop ~20 ms, after a compile call and a wa
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import platform
 import statistics
@@ -54,7 +53,7 @@ H, D, IH, ID, TOPK, W = 64, 512, 64, 128, 512, 128
 class Run:
     def __init__(self, out: Path | None, budget_s: float) -> None:
         self.out, self.budget_s, self.t0 = out, budget_s, time.perf_counter()
-        self.doc: dict[str, Any] = {"env": {}, "cases": [], "sweeps": [], "model": []}
+        self.doc: dict[str, Any] = {"env": {}, "cases": [], "sweeps": []}
 
     def left(self) -> float:
         return self.budget_s - (time.perf_counter() - self.t0)
@@ -312,72 +311,6 @@ def sweep(run: Run, op: str, shape: dict[str, int], cfgs: list[Any], reps: int,
         run.save()
 
 
-def model_check(run: Run, smoke: bool, reps: int, precision: str | None = None) -> None:
-    """Whole model, attention_impl "pallas" against "xla": logits and per-chunk time."""
-    from ds4jax.config import Config
-    from ds4jax.model.forward import forward_chunk, prefill
-    from ds4jax.model.params import init_params
-    from ds4jax.model.state import init_state
-
-    if smoke:  # tests/model/conftest.py's small config
-        base = Config(
-            vocab_size=512, hidden_size=64, num_layers=5, num_heads=4, head_dim=64,
-            rope_dim=32, q_lora_rank=32, o_groups=2, o_lora_rank=16, num_experts=6,
-            num_experts_per_tok=2, moe_intermediate_size=32, sliding_window=8,
-            compress_ratios=(0, 4, 8, 4, 8), hash_layers=(True, True, False, False, False),
-            index_heads=16, index_head_dim=64, index_topk=5, quant_sim=False,
-        )  # fmt: skip
-        n_ctx, chunk = 40, 16
-    else:  # V4 Flash attention dims (heads, head_dim, indexer, top-k, window), small rest
-        base = Config(
-            vocab_size=1024, hidden_size=512, num_layers=3, compress_ratios=(0, 4, 128),
-            hash_layers=(True, False, False), num_experts=4, num_experts_per_tok=2,
-            moe_intermediate_size=128, quant_sim=False,
-        )  # fmt: skip
-        n_ctx, chunk = 8192, 512
-    toks = np.random.default_rng(0).integers(0, base.vocab_size, n_ctx + chunk)
-    results: dict[str, Any] = {}
-    for impl in ("xla", "pallas"):
-        if run.left() < 0:
-            print("    (budget spent: model check cut short)", flush=True)
-            return
-        row: dict[str, Any] = {"impl": impl, "n_ctx": n_ctx, "chunk": chunk,
-                               "precision": precision or "default"}  # fmt: skip
-        ctx = jax.default_matmul_precision(precision) if precision else contextlib.nullcontext()
-        try:
-            with ctx:
-                cfg = base.replace(attention_impl=impl)
-                params = init_params(cfg, seed=5)
-                t = time.perf_counter()
-                state, logits = prefill(
-                    params, init_state(cfg, n_ctx + 2 * chunk), toks[:n_ctx], cfg,
-                    chunk_sizes=(chunk,), all_logits=True,
-                )  # fmt: skip
-                row["prefill_s_with_compile"] = time.perf_counter() - t
-                results[impl] = np.asarray(logits)
-                chunk_toks = jnp.asarray(toks[n_ctx:], jnp.int32)
-                one = jnp.asarray(toks[n_ctx : n_ctx + 1], jnp.int32)
-                # forward_chunk is jitted itself; params stay arguments, not baked-in constants
-                pre = partial(forward_chunk, params, n_valid=chunk, cfg=cfg)
-                dec = partial(forward_chunk, params, n_valid=1, cfg=cfg)
-                for name, fn, x in (("chunk", pre, chunk_toks), ("decode", dec, one)):
-                    _compile(fn, (state, x))
-                    row[f"{name}_ms"] = _time(fn, (state, x), reps) * 1e3
-                print(f"    model {impl}: chunk of {chunk} {row['chunk_ms']:.2f} ms, decode "
-                      f"{row['decode_ms']:.2f} ms at {n_ctx} tokens", flush=True)  # fmt: skip
-        except Exception as e:
-            row["error"] = _first_lines(e, 12)
-            print(f"    model {impl}: FAILED {row['error']}", flush=True)
-            traceback.print_exc(limit=3)
-        run.doc["model"].append(row)
-        run.save()
-    if len(results) == 2:
-        e = _err(results["pallas"], results["xla"])
-        run.doc["model"].append({"logits_pallas_vs_xla": e})
-        print(f"    model logits pallas vs xla: rel {e['rel']:.2e} max {e['max_abs']:.2e}")
-        run.save()
-
-
 def table(doc: dict[str, Any]) -> None:
     print("\n| op | shape | ok | rel err (highest) | rel err (default) | twin rel (default) "
           "| kernel ms | twin ms | twin/kernel |")  # fmt: skip
@@ -399,10 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpreted")
     ap.add_argument("--budget-s", type=float, default=240.0, help="skip optional parts after")
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--skip", default="", help="comma list of sections: cases,sweeps,model")
+    ap.add_argument("--skip", default="", help="comma list of sections: cases,sweeps")
     ap.add_argument("--filter", default="", help="only cases whose 'op k=v …' has this text")
     ap.add_argument("--no-highest", action="store_true", help="skip the IEEE-float32 check")
-    ap.add_argument("--model-precision", default=None, help='e.g. "highest" for the model')
     a = ap.parse_args(argv)
     smoke = a.cpu_smoke
     interpret = jax.default_backend() == "cpu"
@@ -436,9 +368,6 @@ def main(argv: list[str] | None = None) -> int:
                 break
             print(f"--- sweep {op} {shape}", flush=True)
             sweep(run, op, shape, cfgs, a.reps, interpret)
-    if "model" not in skip and run.left() > 0:
-        print("--- model", flush=True)
-        model_check(run, smoke, a.reps, a.model_precision)
     run.doc["elapsed_s"] = time.perf_counter() - run.t0
     run.save()
     table(run.doc)

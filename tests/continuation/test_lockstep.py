@@ -41,8 +41,10 @@ class MemoryChannel:
 
 
 def pool_engine(like: Engine) -> Engine:
-    return Engine(like.cfg, like.params, like.tokenizer, max_len=512, chunk_sizes=(16, 64),
-                  sessions=3, fork_points=True, max_batch=2)  # fmt: skip
+    # the shared engine's shapes: its compiled programs serve these engines too
+    return Engine(like.cfg, like.params, like.tokenizer, max_len=like.max_len,
+                  chunk_sizes=like.chunk_sizes, sessions=3, fork_points=True,
+                  max_batch=2)  # fmt: skip
 
 
 def sessions(engine: Engine) -> list[Any]:

@@ -100,6 +100,14 @@ SCRIPT = textwrap.dedent(
     eerr = max(float(np.abs(a - b).max()) for a, b in zip(logits1, logits8))
     print("engine_max_err", eerr)
     assert eerr <= 1e-5, eerr
+    # the batch's rows split over a data axis (params replicated along it)
+    md = parse_mesh("data=2,tensor=4")
+    assert dict(md.shape) == {"data": 2, "expert": 1, "tensor": 4}
+    textsd, logitsd = serve_two(Engine(tiny, shard_params(tp, tiny, md), tok, mesh=md, **kw))
+    assert textsd == texts1, (textsd, texts1)
+    derr = max(float(np.abs(a - b).max()) for a, b in zip(logits1, logitsd))
+    print("data_axis_err", derr)
+    assert derr <= 1e-5, derr
     dm = default_mesh(small_config(num_heads=8, index_heads=16))
     assert dm is not None and dict(dm.shape) == {"expert": 1, "tensor": 8}
     assert default_mesh(small_config(num_heads=4)) is None  # 4 heads do not divide by 8
@@ -160,10 +168,13 @@ SCRIPT = textwrap.dedent(
     # logits as dequantized at load on one device
     from ds4jax.model.official import write_official_checkpoint
 
-    rel = os.path.join(d, "release")
-    write_official_checkpoint(tp, tiny, rel, fp8_head=True)
+    rel, ids = os.path.join(d, "release"), os.path.join(d, "ids.txt")
+    small = small_config(num_layers=2, compress_ratios=(4, 8), hash_layers=(True, False),
+                         num_experts=8, quant_sim=False)
+    write_official_checkpoint(init_params(small, 3), small, rel, fp8_head=True)
+    open(ids, "w").write(" ".join(str(t) for t in range(3, 40)))
     for name, weights, spec in (("bf16", "bf16", "none"), ("fp8", "fp8", "expert=2,tensor=4")):
-        argv = ["dump-logits", "--model", rel, "--weights", weights, "--prompt", "hello there",
+        argv = ["dump-logits", "--model", rel, "--weights", weights, "--tokens", ids,
                 "--quant-sim", "off", "--mesh", spec, "--out", os.path.join(d, name + ".npy")]
         assert cli.main(argv) == 0
     a, b = (np.load(os.path.join(d, n + ".npy")) for n in ("bf16", "fp8"))
@@ -189,7 +200,7 @@ def test_eight_device_mesh_matches_one_device() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert "batch_max_err" in out.stdout and "engine_max_err" in out.stdout
     assert "cli_max_err" in out.stdout and "cross_mesh_restore_err" in out.stdout
-    assert "fp8_mesh_err" in out.stdout
+    assert "fp8_mesh_err" in out.stdout and "data_axis_err" in out.stdout
 
 
 def test_logical_axes_put_experts_and_heads_on_their_axes() -> None:

@@ -154,3 +154,27 @@ def test_kernels_lower_to_triton_for_gpu(monkeypatch) -> None:
                  S((T, k), jnp.int32), S((T, k), bool), S((H,), f32))  # fmt: skip
         texts.append(lower(sparse_attention, *avals))
     assert all("triton" in t for t in texts)
+
+
+def test_the_device_check_needs_nothing_above_the_kernels() -> None:
+    """`check_device.py` runs on a borrowed accelerator with only the kernels: the model,
+    config and serving stack are never imported (the whole-model timing lives in
+    `bench/device_model.py`)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ds4jax.pallas_kernels.check_device\n"
+        "above = sorted(m for m in sys.modules if m.startswith('ds4jax.') and not "
+        "m.startswith('ds4jax.pallas_kernels'))\n"
+        "print(above)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    # nor later, inside a function
+    from pathlib import Path
+
+    import ds4jax.pallas_kernels.check_device as check_device
+
+    src = Path(check_device.__file__).read_text()
+    assert "from ds4jax.model" not in src and "from ds4jax.config" not in src
