@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import pickle
 import threading
 import time
@@ -44,7 +45,8 @@ from ds4jax.model.state import init_state
 log = logging.getLogger("ds4jax.distributed")
 
 #: seconds without a heartbeat before the coordination service calls a process dead
-HEARTBEAT_TIMEOUT_S = 10
+#: (env `DS4JAX_HEARTBEAT_TIMEOUT_S` overrides)
+HEARTBEAT_TIMEOUT_S = int(os.environ.get("DS4JAX_HEARTBEAT_TIMEOUT_S", "10"))
 #: published operations kept in the key-value store: followers are at most a step behind
 #: (every step is a collective), so older ones are deleted
 KEEP_OPS = 64
@@ -109,17 +111,23 @@ class Channel:
         return [p for p in everyone if p not in live]
 
 
-def _answer(channel: Channel, poll_s: float = 1.0) -> Any:
-    """A follower's wait for the leader's next answer (published mid-step)."""
+def _next(channel: Channel, poll_s: float = 1.0) -> tuple:
+    """A follower's wait for the leader's next operation; RuntimeError once the leader is
+    gone (no heartbeat, or the coordination service it hosts is unreachable)."""
     while True:
         op = channel.receive(poll_s)
-        if op is None:
-            if 0 in channel.dead():
-                raise RuntimeError("the leader (process 0) stopped")
-            continue
-        if op[0] != "answer":
-            raise RuntimeError(f"expected the leader's answer, got {op[0]!r}: out of step")
-        return op[1]
+        if op is not None:
+            return op
+        if 0 in channel.dead():
+            raise RuntimeError("the leader (process 0) stopped")
+
+
+def _answer(channel: Channel) -> Any:
+    """The leader's next answer, published mid-step."""
+    op = _next(channel)
+    if op[0] != "answer":
+        raise RuntimeError(f"expected the leader's answer, got {op[0]!r}: out of step")
+    return op[1]
 
 
 def _broadcast_state(state: Any) -> Any:
@@ -284,14 +292,9 @@ def follow(engine: Engine, channel: Channel, poll_s: float = 1.0) -> int:
     tickets: dict[int, Ticket] = {}
     while True:
         try:
-            op = channel.receive(poll_s)
-            if op is None:
-                if 0 in channel.dead():
-                    log.error("the leader (process 0) stopped; this follower exits")
-                    return 1
-                continue
+            op = _next(channel, poll_s)
         except Exception as err:
-            log.error("lost the leader (process 0): %s", err)
+            log.error("lost the leader (process 0): %s; this follower exits", err)
             return 1
         kind = op[0]
         if kind == "tick":

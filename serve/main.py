@@ -46,6 +46,9 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--host", default="127.0.0.1")
     sp.add_argument("--port", type=int, default=8000)
     sp.add_argument("--ctx", type=int, default=8192, help="context size in tokens")
+    sp.add_argument("--chunk-sizes", default="16,64,256,512",
+                    help="prefill chunk sizes, each compiled at start-up (a prompt is cut "
+                    "into the largest, its rest padded to the smallest that holds it)")  # fmt: skip
     sp.add_argument("--api-key", default=os.environ.get("DS4JAX_API_KEY"),
                     help="require this key (x-api-key or Bearer); env DS4JAX_API_KEY")  # fmt: skip
     sp.add_argument("--model-name", default="deepseek-v4-flash", help="the model id served")
@@ -127,9 +130,18 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     else:
         budget = args.state_budget_mb * 2**20
     try:
+        chunks = sorted({int(c) for c in args.chunk_sizes.split(",") if c.strip()})
+    except ValueError:
+        chunks = []
+    if not chunks or chunks[0] < 1:
+        raise SystemExit(
+            f"ds4jax serve: --chunk-sizes {args.chunk_sizes!r}: give sizes like 64,512"
+        )
+    try:
         engine = Engine(
             cfg, params, tokenizer, max_len=args.ctx, store=store, sessions=args.sessions,
             fork_points=True, state_budget_bytes=budget, max_batch=args.max_batch, mesh=mesh,
+            chunk_sizes=chunks,
         )  # fmt: skip
     except ValueError as err:  # a state budget that holds no state, a batch the mesh cannot split
         raise SystemExit(f"ds4jax serve: {err}") from err

@@ -31,27 +31,35 @@ def params_identity(params: Any) -> str:
     if flat:
         step = max(1, len(flat) // SAMPLED_LEAVES)
         picks = sorted({*range(0, len(flat), step), len(flat) - 1})
-        for i in picks:
-            x = flat[i][1]
+        leaves = [flat[i][1] for i in picks]
+        arrays = [x for x in leaves if hasattr(x, "shape")]
+        samples = iter(_samples(arrays))
+        for x in leaves:
             if not hasattr(x, "shape"):
                 h.update(repr(x).encode())
                 continue
-            while getattr(x, "ndim", 0) > 1:
-                x = x[0]
-            if getattr(x, "ndim", 0) == 1:
-                x = x[:SAMPLED_ELEMENTS]
-            h.update(np.asarray(_gathered(x)).tobytes())
+            h.update(np.asarray(next(samples)).tobytes())
     return h.hexdigest()
 
 
-def _gathered(x: Any) -> Any:
-    """A slice of params split over several processes, made whole on every one: a
-    collective, so every process of the group computes the identity alike."""
-    if getattr(x, "is_fully_addressable", True):
-        return x
+def _sample(x: Any) -> Any:
+    """The start of a leaf's first row."""
+    while getattr(x, "ndim", 0) > 1:
+        x = x[0]
+    return x[:SAMPLED_ELEMENTS] if getattr(x, "ndim", 0) == 1 else x
+
+
+def _samples(arrays: list[Any]) -> list[Any]:
+    """`_sample` of each; over params split across processes, in one program whose result
+    every process holds whole (a collective: every process of the group computes the
+    identity alike)."""
+    split = [x for x in arrays if not getattr(x, "is_fully_addressable", True)]
+    if not split:
+        return [_sample(x) for x in arrays]
     from jax.sharding import NamedSharding, PartitionSpec
 
-    return jax.jit(lambda a: a, out_shardings=NamedSharding(x.sharding.mesh, PartitionSpec()))(x)
+    whole = NamedSharding(split[0].sharding.mesh, PartitionSpec())
+    return jax.jit(lambda xs: [_sample(x) for x in xs], out_shardings=whole)(arrays)
 
 
 def tokenizer_identity(tokenizer: Any) -> str:

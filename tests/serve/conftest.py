@@ -352,7 +352,10 @@ _early: dict[str, Any] = {}
 #: the demo server's flags: no model flags, a session for each of six concurrent agents
 DEMO_SERVE_ARGS = ("--sessions", "6")
 #: the multi-host group: two processes of 4 CPU devices each, one 2×4 mesh over all 8
-GROUP_ARGS = ("--mesh", "expert=2,tensor=4", "--sessions", "2", "--max-batch", "1")
+#: (the chunk sizes the tests' prompts are cut into, as with the default ones: 256 would only
+#: add a compile)
+GROUP_ARGS = ("--mesh", "expert=2,tensor=4", "--sessions", "2", "--max-batch", "1",
+              "--chunk-sizes", "16,64,512")  # fmt: skip
 
 
 class ServeGroup:
@@ -363,7 +366,8 @@ class ServeGroup:
         self.kv_dir = tempfile.mkdtemp(prefix="ds4jax-group-kv-")
         group = ("--coordinator", f"127.0.0.1:{free_port()}", "--num-processes",
                  str(processes), "--kv-disk-dir", self.kv_dir)  # fmt: skip
-        env = {"JAX_NUM_CPU_DEVICES": str(devices_each), "XLA_FLAGS": ""}
+        env = {"JAX_NUM_CPU_DEVICES": str(devices_each), "XLA_FLAGS": "",
+               "DS4JAX_HEARTBEAT_TIMEOUT_S": "5"}  # fmt: skip
         # followers first: the leader's HTTP port is the one tests use
         self.followers = [
             ServeProcess(*GROUP_ARGS, *group, "--process-id", str(i), model=(), env=env)
