@@ -105,13 +105,22 @@ def scale_name(weight_name: str) -> str | None:
     return weight_name[: -len(".weight")] + ".scale" if weight_name.endswith(".weight") else None
 
 
+def _e8m0_bytes(scale: np.ndarray, what: str) -> np.ndarray | None:
+    """E8M0 scales (`float8_e8m0fnu`, or `uint8` exponent bytes) as their bytes, checked;
+    None for a float scale."""
+    if scale.dtype not in (_E8M0, np.dtype(np.uint8)):
+        return None
+    e = scale.view(np.uint8)
+    if np.any(e == 0xFF):
+        raise CheckpointError(f"{what}: E8M0 scale 0xFF (NaN)")
+    return e
+
+
 def scale_values(scale: np.ndarray, what: str = "scale") -> np.ndarray:
     """E8M0 scales (`float8_e8m0fnu`, or `uint8` exponent bytes) → float32 2^(e−127);
     float scales pass through."""
-    if scale.dtype in (_E8M0, np.dtype(np.uint8)):
-        e = scale.view(np.uint8)
-        if np.any(e == 0xFF):
-            raise CheckpointError(f"{what}: E8M0 scale 0xFF (NaN)")
+    e = _e8m0_bytes(scale, what)
+    if e is not None:
         return np.ldexp(np.float32(1.0), e.astype(np.int32) - E8M0_BIAS).astype(np.float32)
     if scale.dtype.kind == "f" or scale.dtype == np.dtype(ml_dtypes.bfloat16):
         return scale.astype(np.float32)
@@ -159,10 +168,10 @@ def quantize_fp8(
     return np.ascontiguousarray(q), _encode_scale(e, scale_format)
 
 
-def dequantize_fp8(
-    q: np.ndarray, scale: np.ndarray, block: tuple[int, int] = FP8_BLOCK, what: str = "tensor"
-) -> np.ndarray:
-    """E4M3 [out, in] with per-block scales → float32 [out, in] (partial edge blocks ok)."""
+def _check_fp8(
+    q: np.ndarray, scale: np.ndarray, block: tuple[int, int], what: str
+) -> tuple[int, int]:
+    """A 2-D FP8 weight with one scale per block; the scale grid's shape."""
     if q.ndim != 2:
         raise CheckpointError(f"{what}: FP8 weight must be 2-D, has shape {q.shape}")
     want = _blocks(q.shape, block)
@@ -171,6 +180,14 @@ def dequantize_fp8(
             f"{what}: FP8 scale has shape {tuple(scale.shape)}, expected {want} for a "
             f"{tuple(q.shape)} weight in {block[0]}x{block[1]} blocks"
         )
+    return want
+
+
+def dequantize_fp8(
+    q: np.ndarray, scale: np.ndarray, block: tuple[int, int] = FP8_BLOCK, what: str = "tensor"
+) -> np.ndarray:
+    """E4M3 [out, in] with per-block scales → float32 [out, in] (partial edge blocks ok)."""
+    want = _check_fp8(q, scale, block, what)
     s = scale_values(scale, what)
     w = _FP8_VALUES[q.view(np.uint8)]
     o, i = q.shape
@@ -214,10 +231,8 @@ def quantize_fp4(
     return pack_fp4(codes), _encode_scale(e, scale_format)
 
 
-def dequantize_fp4(
-    packed: np.ndarray, scale: np.ndarray, block: int = FP4_BLOCK, what: str = "tensor"
-) -> np.ndarray:
-    """Packed E2M1 [out, in/2] with per-`block` scales [out, in/block] → float32 [out, in]."""
+def _check_fp4(packed: np.ndarray, scale: np.ndarray, block: int, what: str) -> tuple[int, int]:
+    """A 2-D packed FP4 weight with one scale per `block` inputs; its (out, in)."""
     if packed.ndim != 2:
         raise CheckpointError(f"{what}: FP4 weight must be 2-D, has shape {packed.shape}")
     o, i = packed.shape[0], 2 * packed.shape[1]
@@ -226,6 +241,14 @@ def dequantize_fp4(
             f"{what}: FP4 scale has shape {tuple(scale.shape)}, expected {(o, i // block)} "
             f"for a packed {tuple(packed.shape)} weight ({i} inputs, blocks of {block})"
         )
+    return o, i
+
+
+def dequantize_fp4(
+    packed: np.ndarray, scale: np.ndarray, block: int = FP4_BLOCK, what: str = "tensor"
+) -> np.ndarray:
+    """Packed E2M1 [out, in/2] with per-`block` scales [out, in/block] → float32 [out, in]."""
+    o, i = _check_fp4(packed, scale, block, what)
     w = _E2M1_PAIRS[packed.view(np.uint8)].view(np.float32).reshape(o, i // block, block)
     w *= scale_values(scale, what)[:, :, None]
     return w.reshape(o, i)
@@ -362,32 +385,20 @@ def _resident(a: np.ndarray, scale: np.ndarray, block: tuple[int, int], what: st
     scales as E8M0 exponent bytes (checked as `dequantize_*` check them)."""
     from ds4jax.model.quantized import QWeight
 
-    exp = _exponents(scale, what)
     if a.dtype == _FP8:
-        if a.ndim != 2 or tuple(exp.shape) != _blocks(a.shape, block):
-            raise CheckpointError(
-                f"{what}: FP8 weight {tuple(a.shape)} with scale {tuple(exp.shape)}: expected "
-                f"a 2-D weight and one scale per {block[0]}x{block[1]} block"
-            )
-        return QWeight(a, exp, block)
+        _check_fp8(a, scale, block, what)
+        return QWeight(a, _exponents(scale, what), block)
     if a.dtype in (np.dtype(np.int8), np.dtype(np.uint8)):
-        o, i = a.shape[0], 2 * a.shape[1]
-        if a.ndim != 2 or i % FP4_BLOCK or tuple(exp.shape) != (o, i // FP4_BLOCK):
-            raise CheckpointError(
-                f"{what}: FP4 scale has shape {tuple(exp.shape)}, expected "
-                f"{(o, i // FP4_BLOCK)} for a packed {tuple(a.shape)} weight"
-            )
+        _check_fp4(a, scale, FP4_BLOCK, what)
         codes = unpack_fp4(a).view(ml_dtypes.float4_e2m1fn)
-        return QWeight(codes, exp, (1, FP4_BLOCK))
+        return QWeight(codes, _exponents(scale, what), (1, FP4_BLOCK))
     raise CheckpointError(f"{what}: dtype {a.dtype} with a .scale is not FP8/FP4")
 
 
 def _exponents(scale: np.ndarray, what: str) -> np.ndarray:
     """Scales → E8M0 exponent bytes; a float scale must be a power of two."""
-    if scale.dtype in (_E8M0, np.dtype(np.uint8)):
-        e = scale.view(np.uint8)
-        if np.any(e == 0xFF):
-            raise CheckpointError(f"{what}: E8M0 scale 0xFF (NaN)")
+    e = _e8m0_bytes(scale, what)
+    if e is not None:
         return e.copy()
     m, k = np.frexp(scale_values(scale, what).astype(np.float64))
     if np.any(m != 0.5):
