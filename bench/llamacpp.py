@@ -18,8 +18,9 @@ side in one run, on the same cores.
   does not simulate the FP8 KV / FP4 indexer rounding, so the bar applies to ds4jax with
   `quant_sim` off; the on figure is reported beside it.
 * **Speed.** `llama-bench -t 2 -p 512,2048,8192 -n 32 -r 2` on each GGUF, and ds4jax's
-  prefill of the same lengths and a greedy `decode_step` loop of 32 tokens (`quant_sim` off:
-  the same math); the summary gains ds4jax / llama.cpp for each prefill size and for decode.
+  prefill of the same lengths and 32 greedy steps of the server's batched step at size 1
+  (`quant_sim` off: the same math); the summary gains ds4jax / llama.cpp for each prefill
+  size and for decode.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ on the same random config (`bench-192m` by default), and state bytes per token.
   call is reported separately. transformers: float32, eval, `torch.inference_mode()`, 2
   threads, one forward with `use_cache=True` and `logits_to_keep=1` (what generation does
   on its first step).
-* Decode tokens/s: greedy steps after a 512-token prefill; ds4jax `decode_step` with the
-  token read back to the host every step, transformers forward one token at a time with
-  the returned cache (no `generate` overheads). Only the steps are timed.
+* Decode tokens/s: greedy steps after a 512-token prefill; ds4jax through the server's
+  batched step at batch size 1 (greedy inside the jit), the token read back to the host
+  every step; transformers forward one token at a time with the returned cache (no
+  `generate` overheads). Only the steps are timed.
 * State bytes per token for `deepseek-v4-flash` and the bench config: `state_bytes(cfg, n)`
   against `dense_kv_bytes(cfg, n)` (pure arithmetic).
 
@@ -146,16 +147,22 @@ class Ds4jax:
         return time.perf_counter() - t0, state
 
     def decode(self, state: Any, steps: int) -> float:
-        """Greedy steps from `state` (left untouched), the token read back every step."""
-        import jax.numpy as jnp
+        """Greedy steps from `state` (left untouched) through the server's step
+        (`model.batch.step` at batch size 1: the token chosen inside the jitted step, the
+        batch donated), the token read back to the host every step as the server does."""
+        import jax
+        import numpy as np
 
-        from ds4jax.model.forward import decode_step
+        from ds4jax.model import batch as batch_ops
 
+        batch = jax.tree.map(lambda x: jax.numpy.array(x)[None], state)
+        args = (np.full(1, -1, np.int32), np.zeros((1, 2), np.uint32), np.zeros(1, np.float32),
+                np.zeros(1, np.int32), np.ones(1, np.float32), np.zeros(1, np.float32),
+                np.int32(-1))  # fmt: skip
         t0 = time.perf_counter()
-        tok = int(jnp.argmax(state.logits))
         for _ in range(steps):
-            state = decode_step(self.params, state, tok, self.cfg)
-            tok = int(jnp.argmax(state.logits))
+            batch, tok, _ = batch_ops.step(self.params, batch, *args, cfg=self.cfg, size=1)
+            np.asarray(tok)
         return time.perf_counter() - t0
 
 
