@@ -4,14 +4,15 @@ rendered-text prefix (ds4's disk KV cache, spec ds4-server-behaviour.md §4).
 Layout (`directory` is created 0700; one directory per checkpoint)::
 
     DIR/<sha1 of the rendered text>/     40 lowercase hex (uppercase accepted on read)
-        state/       Orbax `StandardCheckpointer` tree, a flat dict of host arrays:
-                     `logits` [vocab] and `l{i}_{field}` per layer, live rows only
-                     (payload.py); rebuilt into `init_state(cfg, max_len)` on load
+        state/       Orbax tree of one byte array, `payload` (zarr3, 16 MiB chunks, no
+                     compression): the arrays `logits` [vocab] and `l{i}_{field}` per
+                     layer, live rows only (payload.py), laid end to end in name order
+                     (64-byte aligned); rebuilt into `init_state(cfg, max_len)` on load
         meta.json    format, sha1, key kind, save reason, created, model fingerprint,
                      token ids, rendered text as segments (text + special flag), sliding
-                     window, array manifest, payload CRC-32 (token ids + array bytes),
-                     the Orbax files with their sizes and CRC-32s, tool entries, and
-                     `meta_sha1` over all of it
+                     window, array manifest, payload CRC-32 (token ids + each array's
+                     CRC-32), the Orbax files with their sizes and the CRC-32 of each
+                     16 MiB piece, tool entries, and `meta_sha1` over all of it
         usage.json   hits and last use (rewritten by tmp file + rename on every hit)
     DIR/.tmp-<sha1>-<pid>-<hex>/         a save in progress (or a deletion); removed at
                                          startup, never read
@@ -62,6 +63,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,13 +77,13 @@ from ds4jax.chat.segments import Segment, join, normalize, strip_prefix
 from ds4jax.config import Config
 from ds4jax.kvstore import policy
 from ds4jax.kvstore.fingerprint import model_fingerprint
-from ds4jax.kvstore.payload import digest, manifest, pack, payload_bytes, unpack
+from ds4jax.kvstore.payload import crc_pool, digest, manifest, pack, payload_bytes, unpack
 from ds4jax.kvstore.store import DiskHit
 from ds4jax.model.state import DecodeState, window
 
 log = logging.getLogger("ds4jax.kvstore")
 
-FORMAT = "ds4jax-kv/1"
+FORMAT = "ds4jax-kv/2"  # 2: one payload array, zarr3, no compression
 KEY_TOKEN_TEXT = "token-text"
 REASONS = ("cold", "continued", "evict", "shutdown")
 TMP_PREFIX = ".tmp-"
@@ -171,46 +173,86 @@ def _write_json(path: Path, doc: Mapping[str, Any]) -> None:
 
 
 def _checkpointer() -> Any:
-    """A synchronous Orbax checkpointer (no commit thread) of host arrays. Across processes
-    only process 0 touches the disk (`ds4jax.distributed`: the others get loaded states by
-    broadcast), so Orbax is told that process 0 alone takes part: no barrier waits for
-    processes that never save."""
+    """A synchronous Orbax checkpointer (no commit thread) of the payload, tuned for
+    throughput (issue 17; `bench/disk.py` measures it against raw I/O): zarr3 without
+    compression (a state's float rows hardly compress: zstd took a third of the write for
+    11% of the bytes), without OCDBT (one writer, one array: nothing to aggregate), and
+    without Orbax's copy of host arrays.
+    Across processes only process 0 touches the disk (`ds4jax.distributed`: the others get
+    loaded states by broadcast), so Orbax is told that process 0 alone takes part: no
+    barrier waits for processes that never save."""
     import jax
     import orbax.checkpoint as ocp
 
-    if jax.process_count() == 1:
-        return ocp.Checkpointer(ocp.StandardCheckpointHandler())
-    alone = ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0})
-    return ocp.Checkpointer(
-        ocp.StandardCheckpointHandler(multiprocessing_options=alone),
-        multiprocessing_options=alone,
+    # the payload is written synchronously and never changed meanwhile: Orbax's defensive
+    # copy of a host array (half the save time of a 250 MB payload here) is not needed
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False))
     )
+    kw: dict[str, Any] = dict(use_ocdbt=False, use_zarr3=True, use_compression=False,
+                              type_handler_registry=registry)  # fmt: skip
+    if jax.process_count() > 1:
+        alone = ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0})
+        return ocp.Checkpointer(
+            ocp.PyTreeCheckpointHandler(multiprocessing_options=alone, **kw),
+            multiprocessing_options=alone,
+        )
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**kw))
+
+
+#: the payload is one byte array, in chunks of this size: Orbax's per-array cost is paid
+#: once, not for each of a model's few hundred state arrays, and two threads read and write
+#: the chunks (16 MiB measured best of 4–64 MiB here)
+CHUNK_BYTES = 16 << 20
+_ALIGN = 64
+
+
+def _layout(arrays: Mapping[str, Any]) -> tuple[dict[str, tuple[int, tuple, Any]], int]:
+    """Where each array (a manifest entry: shape and dtype) sits in the payload bytes, in
+    name order: name → (offset, shape, dtype); and the total size."""
+    out, end = {}, 0
+    for name in sorted(arrays):
+        shape, dtype = tuple(arrays[name]["shape"]), np.dtype(jnp.dtype(arrays[name]["dtype"]))
+        out[name] = (end, shape, dtype)
+        end += -(-int(np.prod(shape)) * dtype.itemsize // _ALIGN) * _ALIGN
+    return out, max(end, _ALIGN)
 
 
 def _write_payload(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
     import orbax.checkpoint as ocp
 
+    layout, total = _layout(manifest(arrays))
+    flat = np.zeros(total, np.uint8)
+    for name, (off, _shape, _dtype) in layout.items():
+        a = np.ascontiguousarray(arrays[name]).reshape(-1).view(np.uint8)
+        flat[off : off + a.size] = a
     ck = _checkpointer()
     try:
-        ck.save(path, args=ocp.args.StandardSave(dict(arrays)))
+        ck.save(path, args=ocp.args.PyTreeSave(
+            {"payload": flat}, save_args={"payload": ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES)}
+        ))  # fmt: skip
     finally:
         ck.close()
 
 
-def _file_crc32(path: Path) -> str:
-    crc = 0
+def _piece_crcs(path: Path) -> list[str]:
+    """CRC-32 of each `CHUNK_BYTES` piece of a file."""
+    out = []
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
+        while chunk := f.read(CHUNK_BYTES):
+            out.append(f"{zlib.crc32(chunk):08x}")
+    return out
 
 
 def _file_manifest(root: Path) -> dict[str, list]:
-    """Every file under `root` (an Orbax checkpoint): relative path → [bytes, crc32]."""
+    """Every file under `root` (an Orbax checkpoint): relative path → [bytes, CRC-32 of each
+    16 MiB piece]. Files are checksummed side by side (zlib releases the GIL)."""
+    paths = sorted(p for p in root.rglob("*") if p.is_file())
+    with crc_pool() as pool:
+        crcs = list(pool.map(_piece_crcs, paths))
     return {
-        p.relative_to(root).as_posix(): [p.stat().st_size, _file_crc32(p)]
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
+        p.relative_to(root).as_posix(): [p.stat().st_size, c]
+        for p, c in zip(paths, crcs, strict=True)
     }
 
 
@@ -219,26 +261,37 @@ def _verify_files(root: Path, files: Any) -> None:
     truncated or altered file is reported as such (and Orbax never parses it)."""
     if not isinstance(files, dict) or not files:
         raise KVStoreError("no payload file list")
-    for rel, (size, crc) in files.items():
+    for rel, (size, _crcs) in files.items():
         p = root / rel
         if not p.is_file() or p.stat().st_size != size:
             raise KVStoreError(f"payload file {rel} is missing or truncated")
-        if _file_crc32(p) != crc:
+    with crc_pool() as pool:
+        found = list(pool.map(_piece_crcs, (root / rel for rel in files)))
+    for (rel, (_size, crcs)), crc in zip(files.items(), found, strict=True):
+        if crc != crcs:
             raise KVStoreError(f"payload file {rel} checksum mismatch")
 
 
 def _read_payload(path: Path, arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The arrays of a manifest, as views of the one payload array Orbax reads back."""
     import orbax.checkpoint as ocp
 
-    target = {}
-    for name, spec in arrays.items():
-        target[name] = np.empty(tuple(spec["shape"]), jnp.dtype(spec["dtype"]))
+    layout, total = _layout(arrays)
     ck = _checkpointer()
     try:
-        out = ck.restore(path, args=ocp.args.StandardRestore(target))
+        out = ck.restore(path, args=ocp.args.PyTreeRestore(
+            {"payload": np.empty(total, np.uint8)},
+            restore_args={"payload": ocp.RestoreArgs(restore_type=np.ndarray)},
+        ))  # fmt: skip
     finally:
         ck.close()
-    return {k: np.asarray(v) for k, v in out.items()}
+    flat = np.asarray(out["payload"])
+    if flat.shape != (total,):
+        raise KVStoreError(f"payload of {flat.size} bytes, the manifest needs {total}")
+    return {
+        name: flat[off : off + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
+        for name, (off, shape, dtype) in layout.items()
+    }
 
 
 def tool_entries_in(text: str, tool_memory: Any) -> dict[str, str]:
@@ -682,7 +735,7 @@ class DiskStore:
                 "window": self.window,
                 "max_len": self.max_len,
                 "arrays": manifest(arrays),
-                "payload_crc32": digest(tokens, arrays),
+                "payload_crc32": "0" * 8,  # computed while the payload is written
                 "tool_entries": entries,
             }
             estimate = payload_bytes(arrays) + len(_canonical(meta)) + ORBAX_OVERHEAD
@@ -698,7 +751,10 @@ class DiskStore:
             tmp = self.directory / f"{TMP_PREFIX}{key}-{os.getpid()}-{secrets.token_hex(4)}"
             try:
                 tmp.mkdir(mode=0o700)
-                _write_payload(tmp / STATE, arrays)
+                with ThreadPoolExecutor(1) as beside:
+                    crc = beside.submit(digest, tokens, arrays)
+                    _write_payload(tmp / STATE, arrays)
+                    meta["payload_crc32"] = crc.result()
                 meta["files"] = _file_manifest(tmp / STATE)
                 meta["meta_sha1"] = _meta_digest(meta)
                 _write_json(tmp / META, meta)
