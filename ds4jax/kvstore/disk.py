@@ -207,14 +207,15 @@ CHUNK_BYTES = 16 << 20
 _ALIGN = 64
 
 
-def _layout(arrays: Mapping[str, Any]) -> tuple[dict[str, tuple[int, tuple, Any]], int]:
+def _layout(arrays: Mapping[str, Any]) -> tuple[dict[str, tuple[int, int, tuple, Any]], int]:
     """Where each array (a manifest entry: shape and dtype) sits in the payload bytes, in
-    name order: name → (offset, shape, dtype); and the total size."""
+    name order: name → (offset, bytes, shape, dtype); and the total size."""
     out, end = {}, 0
     for name in sorted(arrays):
         shape, dtype = tuple(arrays[name]["shape"]), np.dtype(jnp.dtype(arrays[name]["dtype"]))
-        out[name] = (end, shape, dtype)
-        end += -(-int(np.prod(shape)) * dtype.itemsize // _ALIGN) * _ALIGN
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        out[name] = (end, nbytes, shape, dtype)
+        end += -(-nbytes // _ALIGN) * _ALIGN
     return out, max(end, _ALIGN)
 
 
@@ -223,9 +224,8 @@ def _write_payload(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
 
     layout, total = _layout(manifest(arrays))
     flat = np.zeros(total, np.uint8)
-    for name, (off, _shape, _dtype) in layout.items():
-        a = np.ascontiguousarray(arrays[name]).reshape(-1).view(np.uint8)
-        flat[off : off + a.size] = a
+    for name, (off, nbytes, _shape, _dtype) in layout.items():
+        flat[off : off + nbytes] = np.ascontiguousarray(arrays[name]).reshape(-1).view(np.uint8)
     ck = _checkpointer()
     try:
         ck.save(path, args=ocp.args.PyTreeSave(
@@ -289,8 +289,8 @@ def _read_payload(path: Path, arrays: Mapping[str, Any]) -> dict[str, np.ndarray
     if flat.shape != (total,):
         raise KVStoreError(f"payload of {flat.size} bytes, the manifest needs {total}")
     return {
-        name: flat[off : off + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
-        for name, (off, shape, dtype) in layout.items()
+        name: flat[off : off + nbytes].view(dtype).reshape(shape)
+        for name, (off, nbytes, shape, dtype) in layout.items()
     }
 
 
