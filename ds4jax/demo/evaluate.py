@@ -1,44 +1,62 @@
 """Score the demo model on held-out prompts: `python -m ds4jax.demo.evaluate`.
 
-Each prompt runs the agent loop a client runs against `/v1/messages`, through the engine
-the server uses: request 1 (greedy) must produce one parseable call of the right tool with
-the right arguments; the client executes it (`corpus.run_tool`) and sends request 2 with
-the sampled assistant turn and the tool result, which must continue the live state and
-answer with text containing the result.
+Each task runs the agent loop a client runs against `/v1/messages`, through the engine
+the server uses, greedy, on sentences composed from templates training never saw
+(`corpus.held_out`). Per round: the assistant must make exactly the expected calls (the
+right tools with the right arguments, in any order; a city in any casing), or none where
+none is expected; the client executes them (`corpus.run_tool`) and sends the results, one
+`tool_result` per id, which must continue the live state and be answered with text quoting
+every result. A reply without calls must quote what it answers from (chat and refusals only
+have to make no call). The bars (issue 18): single calls 90%, parallel calls 80%, follow-up
+rounds 80%, out-of-scope prompts without a call 90%.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 from ds4jax.chat.anthropic import parse_messages_request, response_content
 from ds4jax.continuation.types import CacheSource
-from ds4jax.demo.corpus import Task, held_out_tasks, request_body, run_tool, training_bodies
+from ds4jax.demo.corpus import Call, Task, held_out_tasks, request_body, run_tool
 from ds4jax.engine import Engine, Result
 
-#: Seed of the held-out draw (training uses the seed in the checkpoint's training.json).
+#: Seed of the held-out draw (training draws from other templates, so any seed is unseen).
 HELD_OUT_SEED = 1_000_003
+#: kind → the share of held-out tasks that must come out right
+BARS = {"single": 0.9, "parallel": 0.8, "followup": 0.8, "refusal": 0.9}
+
+
+@dataclass
+class RoundOutcome:
+    calls: list[dict[str, Any]]  # [{"name", "input"}] as sampled
+    calls_ok: bool
+    answer: str
+    answer_ok: bool
+    continued_live: bool  # the results' request continued the live state (calls only)
+    ids: int  # tool ids the results carried
+
+    @property
+    def ok(self) -> bool:
+        return self.calls_ok and self.answer_ok
 
 
 @dataclass
 class Outcome:
     task: Task
-    call: dict[str, Any] | None  # {"name", "input"} of the single call, when exactly one
-    call_ok: bool
-    answer: str
-    answer_ok: bool
-    continued_live: bool
-    cache_read: int  # request 2's reused tokens
-    first_total: int  # request 1's prompt + output tokens
+    rounds: list[RoundOutcome] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return self.call_ok and self.answer_ok
+        """What the task's kind is scored on: a follow-up by its second round; a refusal
+        by making no call; the others by every round."""
+        if self.task.kind == "followup":
+            return len(self.rounds) == 2 and self.rounds[1].ok
+        if self.task.kind == "refusal":
+            return bool(self.rounds) and self.rounds[0].calls_ok
+        return len(self.rounds) == len(self.task.rounds) and all(r.ok for r in self.rounds)
 
 
 def _serve(engine: Engine, body: dict[str, Any]) -> Result:
@@ -46,62 +64,96 @@ def _serve(engine: Engine, body: dict[str, Any]) -> Result:
     return engine.run(engine.prepare_request(req))
 
 
-def run_loop(engine: Engine, task: Task, *, thinking: bool = True) -> Outcome:
+def _key(name: str, args: dict[str, Any]) -> tuple:
+    """A call compared as the tool sees it: a city in any casing."""
+    return (name, tuple(sorted((k, str(v).lower()) for k, v in args.items())))
+
+
+def _same_calls(got: list[dict[str, Any]], want: tuple[Call, ...]) -> bool:
+    return sorted(_key(c["name"], c["input"]) for c in got) == sorted(
+        _key(c.tool, c.args) for c in want
+    )
+
+
+def run_task(engine: Engine, task: Task, *, thinking: bool = True) -> Outcome:
+    """The task's rounds in one conversation; stops at the first round that goes wrong
+    (its later rounds would build on a history the client never had)."""
+    out = Outcome(task)
     body = request_body(task, thinking=thinking, system=None)
-    first = _serve(engine, body)
-    calls = first.message.tool_calls
-    call = {"name": calls[0].name, "input": calls[0].arguments} if len(calls) == 1 else None
-    call_ok = call is not None and call["name"] == task.tool and call["input"] == task.args
-    answer, answer_ok, live, cache_read = "", False, False, 0
-    if call is not None and first.tool_ids:
-        try:
-            result = run_tool(call["name"], call["input"])
-        except (KeyError, ValueError, TypeError) as err:  # a malformed call: report the error
-            result = f"Error: {err}"
-        back = {"type": "tool_result", "tool_use_id": first.tool_ids[0], "content": result}
-        body["messages"] += [
-            {"role": "assistant", "content": response_content(first.message, first.tool_ids)},
-            {"role": "user", "content": [back]},
-        ]
+    for k, rnd in enumerate(task.rounds):
+        if k:
+            body["messages"].append({"role": "user", "content": rnd.prompt})
+        first = _serve(engine, body)
+        calls = [{"name": c.name, "input": c.arguments} for c in first.message.tool_calls]
+        calls_ok = _same_calls(calls, rnd.calls)
+        body["messages"].append(
+            {"role": "assistant", "content": response_content(first.message, first.tool_ids)}
+        )
+        if not calls:
+            quote = rnd.reply if task.kind not in ("refusal", "chat") else ""
+            text = first.message.content
+            out.rounds.append(RoundOutcome(calls, calls_ok, text, quote in text, False, 0))
+            if not calls_ok:
+                break
+            continue
+        results = []
+        for c in calls:
+            try:
+                results.append(run_tool(c["name"], c["input"]))
+            except (KeyError, ValueError, TypeError) as err:  # a malformed call
+                results.append(f"Error: {err}")
+        ids = list(first.tool_ids)
+        body["messages"].append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": i, "content": r}
+            for i, r in zip(ids, results, strict=False)
+        ]})  # fmt: skip
         second = _serve(engine, body)
-        answer = second.message.content
-        answer_ok = call_ok and result in answer
+        text = second.message.content
+        body["messages"].append(
+            {"role": "assistant", "content": response_content(second.message, second.tool_ids)}
+        )
+        answer_ok = calls_ok and all(r in text for r in results) and not second.tool_ids
         live = second.source is CacheSource.LIVE_TOOL
-        cache_read = second.cached
-    return Outcome(
-        task, call, call_ok, answer, answer_ok, live, cache_read,
-        first.prompt_tokens + first.output_tokens,
-    )  # fmt: skip
+        out.rounds.append(RoundOutcome(calls, calls_ok, text, answer_ok, live, len(ids)))
+        if not (calls_ok and answer_ok):
+            break
+    return out
 
 
-def training_prompts(model_dir: Path) -> set[str]:
-    """The user prompts the checkpoint was trained on (regenerated from its settings)."""
-    settings = json.loads((model_dir / "training.json").read_text())["settings"]
-    bodies = training_bodies(settings["examples"], settings["seed"])
-    return {b["messages"][0]["content"] for b in bodies}
+def score(engine: Engine, n: int, *, thinking: bool = True) -> dict[str, list[Outcome]]:
+    """`n` held-out tasks of each scored kind."""
+    return {
+        kind: [
+            run_task(engine, t, thinking=thinking) for t in held_out_tasks(n, HELD_OUT_SEED, kind)
+        ]
+        for kind in BARS
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     from ds4jax.demo.train import DEMO_DIR
-    from ds4jax.model.checkpoint import load_model, resolve_model_dir
+    from ds4jax.model.checkpoint import load_model
 
     ap = argparse.ArgumentParser(prog="python -m ds4jax.demo.evaluate", description=__doc__)
     ap.add_argument("--model", default=str(DEMO_DIR))
-    ap.add_argument("-n", type=int, default=50)
+    ap.add_argument("-n", type=int, default=50, help="held-out tasks of each kind")
     ap.add_argument("--thinking", choices=("on", "off"), default="on")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print every task")
     args = ap.parse_args(argv)
     cfg, params, tokenizer, _ = load_model(args.model)
     engine = Engine(cfg, params, tokenizer, max_len=1024)
-    seen = training_prompts(resolve_model_dir(args.model))
-    tasks = held_out_tasks(args.n, HELD_OUT_SEED, seen)
-    outcomes = [run_loop(engine, t, thinking=args.thinking == "on") for t in tasks]
-    for o in outcomes:
-        mark = "ok " if o.ok else "BAD"
-        print(f"{mark} {o.task.prompt!r} → {o.call} → {o.answer!r} (live={o.continued_live})")
-    calls = sum(o.call_ok for o in outcomes)
-    both = sum(o.ok for o in outcomes)
-    print(f"right call {calls}/{len(outcomes)}; right call and answer {both}/{len(outcomes)}")
-    return 0
+    results = score(engine, args.n, thinking=args.thinking == "on")
+    failed = False
+    for kind, outcomes in results.items():
+        good = sum(o.ok for o in outcomes)
+        bar = BARS[kind]
+        failed |= good < bar * len(outcomes)
+        print(f"{kind:9s} {good}/{len(outcomes)} right (bar {bar:.0%})")
+        for o in outcomes:
+            if args.verbose or not o.ok:
+                seen = [(r.calls, r.answer[:80]) for r in o.rounds]
+                print(f"   {'ok ' if o.ok else 'BAD'} {[r.prompt for r in o.task.rounds]} → {seen}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from ds4jax.chat.spm_tokenizer import SpmTokenizer, train_spm
 from ds4jax.chat.tokenizer import Tokenizer
 from ds4jax.config import CONFIG_DIR, Config, load_config
 from ds4jax.demo.corpus import training_bodies
+from ds4jax.model import layers
 from ds4jax.model.checkpoint import save_params
 from ds4jax.model.forward import forward_chunk
 from ds4jax.model.params import Params, init_params
@@ -53,12 +54,14 @@ TOKENIZER_NAME = "demo"
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
     seed: int = 0
-    examples: int = 6000
+    examples: int = 8000
     vocab_size: int = 1024
-    suffix_len: int = 176
+    #: suffix buckets: an example trains in the shortest that holds it (half the
+    #: conversations fit in 128 tokens, a two-round one with thinking takes up to ~370)
+    suffix_lens: tuple[int, ...] = (128, 256, 384)
     prefix_len: int = 384
     batch: int = 16
-    steps: int = 500
+    steps: int = 600
     lr: float = 3e-3
     warmup: int = 60
 
@@ -96,30 +99,38 @@ def assistant_mask(ids: list[int], tok: Tokenizer) -> np.ndarray:
 class Corpus:
     """The encoded conversations, split at the first `<｜User｜>`: the prefix (BOS, system
     prompt, tools block) is shared by every example with the same system prompt, so it is
-    evaluated once per step and the batch trains on the suffixes only."""
+    evaluated once per step and the batch trains on the suffixes only. Suffixes are padded
+    to the shortest of the buckets that holds them, so short conversations do not pay for
+    long ones."""
 
     prefixes: list[list[int]]  # distinct prefixes
     group: np.ndarray  # [N] index into prefixes
-    suffix: np.ndarray  # [N, suffix_len] int32, EOS-padded
-    mask: np.ndarray  # [N, suffix_len] float32, 1 on assistant tokens
+    bucket: np.ndarray  # [N] index into suffix_lens
+    suffix: np.ndarray  # [N, max suffix_len] int32, EOS-padded
+    mask: np.ndarray  # [N, max suffix_len] float32, 1 on assistant tokens
 
 
-def encode_corpus(bodies: list[dict[str, Any]], tok: Tokenizer, suffix_len: int) -> Corpus:
+def encode_corpus(
+    bodies: list[dict[str, Any]], tok: Tokenizer, suffix_lens: tuple[int, ...]
+) -> Corpus:
     user = tok.special_id(specials.USER)
+    longest = max(suffix_lens)
     prefixes: dict[tuple[int, ...], int] = {}
     group = np.zeros(len(bodies), np.int32)
-    suffix = np.full((len(bodies), suffix_len), tok.eos_id, np.int32)
-    mask = np.zeros((len(bodies), suffix_len), np.float32)
+    bucket = np.zeros(len(bodies), np.int32)
+    suffix = np.full((len(bodies), longest), tok.eos_id, np.int32)
+    mask = np.zeros((len(bodies), longest), np.float32)
     for i, body in enumerate(bodies):
         ids = tok.encode_segments(render(finished_conversation(body)))
         cut = ids.index(user)
         rest = ids[cut:]
-        if len(rest) > suffix_len:
-            raise ValueError(f"example {i}: {len(rest)} tokens after the prefix > {suffix_len}")
+        if len(rest) > longest:
+            raise ValueError(f"example {i}: {len(rest)} tokens after the prefix > {longest}")
         group[i] = prefixes.setdefault(tuple(ids[:cut]), len(prefixes))
+        bucket[i] = min(b for b, n in enumerate(suffix_lens) if n >= len(rest))
         suffix[i, : len(rest)] = rest
         mask[i, : len(rest)] = assistant_mask(ids, tok)[cut:]
-    return Corpus([list(p) for p in prefixes], group, suffix, mask)
+    return Corpus([list(p) for p in prefixes], group, bucket, suffix, mask)
 
 
 def demo_config(vocab_size: int) -> Config:
@@ -194,6 +205,7 @@ def train(
     t_start = time.perf_counter()
     bodies = training_bodies(settings.examples, settings.seed)
     work = Path(tempfile.mkdtemp(prefix="ds4jax-demo-"))
+    dense_from = layers.GROUPED_MIN_TOKENS
     try:
         text = work / "corpus.txt"
         text.write_text(
@@ -202,7 +214,7 @@ def train(
         )
         spm_path = train_spm(text, settings.vocab_size, work / TOKENIZER_NAME)
         tok = SpmTokenizer(spm_path)
-        corpus = encode_corpus(bodies, tok, settings.suffix_len)
+        corpus = encode_corpus(bodies, tok, settings.suffix_lens)
         log(
             f"corpus: {len(bodies)} conversations, {len(corpus.prefixes)} distinct prefixes "
             f"(longest {max(map(len, corpus.prefixes))} tokens), {int(corpus.mask.sum())} "
@@ -219,17 +231,24 @@ def train(
         opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
         floats, frozen, treedef, kinds = split_params(params)
         opt_state = opt.init(floats)
-        step = make_step(cfg, settings.prefix_len + settings.suffix_len, opt)
+        step = make_step(cfg, settings.prefix_len + max(settings.suffix_lens), opt)
+        # the batch's suffixes are vmapped: the grouped MoE of long chunks would index
+        # each example's experts inside its loop; training keeps the dense form
+        layers.GROUPED_MIN_TOKENS = 1 << 30
         rng = np.random.default_rng(settings.seed)
         losses: list[float] = []
         t0 = time.perf_counter()
         for i in range(settings.steps):
-            # one prefix per step (the batch shares its state), drawn by its share of data
-            g = corpus.group[rng.integers(len(corpus.group))]
-            idx = rng.choice(np.flatnonzero(corpus.group == g), settings.batch)
+            # one prefix and one suffix bucket per step (the batch shares its state and
+            # shape), drawn by their share of the data
+            pick = rng.integers(len(corpus.group))
+            g, b = corpus.group[pick], corpus.bucket[pick]
+            idx = rng.choice(np.flatnonzero((corpus.group == g) & (corpus.bucket == b)),
+                             settings.batch)  # fmt: skip
+            n = settings.suffix_lens[b]
             floats, opt_state, loss = step(
                 floats, frozen, treedef, kinds, opt_state, prefixes[g],
-                len(corpus.prefixes[g]), corpus.suffix[idx], corpus.mask[idx],
+                len(corpus.prefixes[g]), corpus.suffix[idx, :n], corpus.mask[idx, :n],
             )  # fmt: skip
             if i == 0:
                 loss.block_until_ready()
@@ -245,6 +264,7 @@ def train(
         for suffix in (".model", ".vocab"):
             shutil.copyfile(spm_path.with_suffix(suffix), out / (TOKENIZER_NAME + suffix))
     finally:
+        layers.GROUPED_MIN_TOKENS = dense_from
         shutil.rmtree(work, ignore_errors=True)
     record = {
         "settings": dataclasses.asdict(settings),
@@ -260,13 +280,18 @@ def train(
     return record
 
 
+def _int_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
 def main(argv: list[str] | None = None) -> int:
     d = TrainSettings()
     ap = argparse.ArgumentParser(prog="python -m ds4jax.demo.train", description=__doc__)
     ap.add_argument("--out", default=str(DEMO_DIR), help=f"checkpoint directory ({DEMO_DIR})")
     for f in dataclasses.fields(TrainSettings):
         default = getattr(d, f.name)
-        ap.add_argument("--" + f.name.replace("_", "-"), type=type(default), default=default)
+        kind = _int_tuple if isinstance(default, tuple) else type(default)
+        ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default)
     args = ap.parse_args(argv)
     settings = TrainSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(d)})
     random.seed(settings.seed)

@@ -145,3 +145,44 @@ def test_demo_answers_its_two_tools_through_the_openai_apis(demo_served: ServePr
     while not all(x in demo_served.stderr for x in lines) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert all(x in demo_served.stderr for x in lines)
+
+
+def test_demo_makes_two_calls_in_one_turn_and_takes_a_follow_up(
+    demo_served: ServeProcess,
+) -> None:
+    """Issue 18 over HTTP: two calls in one assistant turn, answered by two tool_results
+    that continue the live state (`ids=2` in the log), then a follow-up round that calls
+    again — the README's example."""
+    client = anthropic.Anthropic(base_url=demo_served.url, api_key="unused", max_retries=0)
+    kw = {"model": "deepseek-v4-flash", "max_tokens": 200, "tools": TOOLS}
+    messages: list = [{"role": "user", "content": "What's the weather in Paris and in Oslo?"}]
+    first = client.messages.create(messages=messages, **kw)
+    calls = [b for b in first.content if b.type == "tool_use"]
+    assert sorted(c.input["city"] for c in calls) == ["Oslo", "Paris"], first.content
+    assert len({c.id for c in calls}) == 2 and first.stop_reason == "tool_use"
+    results = {c.id: run_tool(c.name, c.input) for c in calls}
+    messages += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": i, "content": r} for i, r in results.items()
+        ]},
+    ]  # fmt: skip
+    second = client.messages.create(messages=messages, **kw)
+    text = "".join(b.text for b in second.content if b.type == "text")
+    assert all(r in text for r in results.values()), text
+    u1 = first.usage
+    assert second.usage.cache_read_input_tokens == (
+        u1.input_tokens + u1.cache_read_input_tokens + u1.output_tokens
+    )
+    deadline = time.monotonic() + 5
+    while f"{LIVE_LINE} ids=2" not in demo_served.stderr and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert f"{LIVE_LINE} ids=2" in demo_served.stderr
+
+    messages += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in second.content]},
+        {"role": "user", "content": "And in Tokyo?"},
+    ]
+    third = client.messages.create(messages=messages, **kw)
+    calls = [b for b in third.content if b.type == "tool_use"]
+    assert [(c.name, c.input) for c in calls] == [("get_weather", {"city": "Tokyo"})], third.content
