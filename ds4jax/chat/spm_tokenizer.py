@@ -16,9 +16,11 @@ Pitfalls this module exists to get around:
   (`<0xE2><0x96><0x81>`), which decode back to `▁`.
 * User-defined symbols (the DS4 specials `<｜User｜>`, `<think>`, ...) are matched anywhere in
   the input, so client text could forge a turn boundary. `encode_text` cuts the text around
-  every user-defined symbol and encodes each occurrence as ordinary pieces (its first
+  every such special and encodes each occurrence as ordinary pieces (its first
   character on its own, the rest recursively), so no user-defined id can come out of it.
   Special ids only enter a prompt through `Tokenizer.special_id`, from template segments.
+  Other user-defined pieces are word symbols (`train_spm(symbols=...)`): plain text, which
+  SentencePiece emits wherever the word occurs and which decode with `▁` as a space.
 * Round-tripping needs `normalization_rule_name="identity"`, `remove_extra_whitespaces=False`,
   `add_dummy_prefix=False` and byte fallback at training time. `SpmTokenizer` checks a model
   for these on load (by round-tripping a probe string) instead of trusting it.
@@ -33,7 +35,7 @@ from __future__ import annotations
 import io
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import sentencepiece as spm
@@ -126,6 +128,7 @@ class SpmTokenizer(Tokenizer):
         self._byte_ids: dict[int, int] = {}
         self._bytes: list[bytes] = []
         user_defined: list[str] = []
+        symbols: list[str] = []
         for i, (p, kind) in enumerate(zip(self._pieces, types, strict=True)):
             if kind == _BYTE:
                 m = _BYTE_PIECE.fullmatch(p)
@@ -133,9 +136,13 @@ class SpmTokenizer(Tokenizer):
                     raise ValueError(f"{path}: byte piece {p!r} (id {i}) is not <0xHH>")
                 self._byte_ids[int(m.group(1), 16)] = i
                 out = bytes([int(m.group(1), 16)])
-            elif kind == _USER_DEFINED:
+            elif kind == _USER_DEFINED and p in _DS4_SPECIALS:
                 user_defined.append(p)
                 out = p.encode("utf-8")  # matched verbatim from input: no `▁` → space
+            elif kind == _USER_DEFINED:
+                # a word symbol (`train_spm(symbols=...)`): plain text, SentencePiece emits it
+                symbols.append(p.replace(_SPACE, " "))
+                out = symbols[-1].encode("utf-8")
             elif kind == _CONTROL:
                 # DS4 BOS/EOS decode to their strings, as in `V4Tokenizer`; other control
                 # tokens (a pad, say) contribute nothing.
@@ -152,7 +159,10 @@ class SpmTokenizer(Tokenizer):
                 f"{path}: has {len(self._byte_ids)} of 256 byte-fallback pieces; "
                 "train with byte_fallback=True (see train_spm) so any text round-trips"
             )
+        #: the protected specials: never produced from plain text
         self.user_defined: tuple[str, ...] = tuple(user_defined)
+        #: word symbols: always one piece in plain text
+        self.symbols: tuple[str, ...] = tuple(symbols)
         # Longest first, so at a given position the longest symbol wins; `▁` is cut out too.
         cut = sorted({*user_defined, _SPACE}, key=len, reverse=True)
         self._cut = re.compile("|".join(re.escape(s) for s in cut))
@@ -229,22 +239,30 @@ def train_spm(
     *,
     character_coverage: float = 0.9995,
     split_digits: bool = True,
+    symbols: Sequence[str] = (),
 ) -> Path:
     """Train a BPE SentencePiece model on a UTF-8 text file (one sentence per line) and
-    write `<out_prefix>.model` and `<out_prefix>.vocab`; returns the `.model` path.
+        write `<out_prefix>.model` and `<out_prefix>.vocab`; returns the `.model` path.
 
-    Layout: id 0 BOS and id 1 EOS (the DS4 strings, as control pieces, as in V4), id 2
-    `<unk>`, no pad, then the other DS4 specials as user-defined symbols, then the 256
-    byte-fallback pieces, then learned pieces. Normalization is off (identity, no whitespace
-    collapsing, no dummy prefix) so text round-trips. Digits are split one per token by
-    default. Characters outside `character_coverage` fall back to bytes.
+        Layout: id 0 BOS and id 1 EOS (the DS4 strings, as control pieces, as in V4), id 2
+        `<unk>`, no pad, then the other DS4 specials as user-defined symbols, then the 256
+        byte-fallback pieces, then learned pieces. Normalization is off (identity, no whitespace
+        collapsing, no dummy prefix) so text round-trips. Digits are split one per token by
+        default. Characters outside `character_coverage` fall back to bytes.
 
-    Deterministic: the corpus is fed from Python (so no path ends up in the model), one
-    thread, no sentence sampling; the same corpus and arguments give identical model bytes.
+    `symbols` are strings that are always one piece wherever they occur, whatever precedes
+    them (a space is part of a symbol only where the symbol has one inside). A small model
+    copies a word from the prompt into a call far more reliably when the word is the same
+    token in both places: learned pieces carry a leading space (` Denver` in a sentence), so
+    without this the copy (`">Denver`) is a different token sequence (`D`, `enver`) that
+    must be learned word by word — exactly why digits are split.
 
-    Raises ValueError naming the limit when `vocab_size` is too small for the required
-    pieces or larger than the corpus supports (the vocabulary size is a hard limit so that
-    `vocab_size` is exactly the embedding size a model config can rely on).
+        Deterministic: the corpus is fed from Python (so no path ends up in the model), one
+        thread, no sentence sampling; the same corpus and arguments give identical model bytes.
+
+        Raises ValueError naming the limit when `vocab_size` is too small for the required
+        pieces or larger than the corpus supports (the vocabulary size is a hard limit so that
+        `vocab_size` is exactly the embedding size a model config can rely on).
     """
     input_path = Path(input_path)
     if not input_path.is_file():
@@ -258,6 +276,7 @@ def train_spm(
         specials.THINK_END,
         specials.DSML,
         specials.LATEST_REMINDER,
+        *(x.replace(" ", "\u2581") for x in symbols),
     ]
     model = io.BytesIO()
     try:

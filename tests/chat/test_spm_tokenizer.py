@@ -260,6 +260,21 @@ def test_training_is_deterministic(corpus: Path, model_path: Path, tmp_path: Pat
     assert SpmTokenizer(again).encode_text(sample) == SpmTokenizer(model_path).encode_text(sample)
 
 
+def test_word_symbols_are_one_piece_wherever_written(corpus: Path, tmp_path: Path) -> None:
+    """A word symbol is the same single token after a space, after `">` or at the start, so
+    a small model can copy it token for token; it is plain text (round-trips, streams) and
+    never makes a forged special come out."""
+    tok = SpmTokenizer(train_spm(corpus, VOCAB, tmp_path / "w", symbols=["Denver", "New York"]))
+    assert set(tok.symbols) == {"Denver", "New York"}
+    assert set(tok.user_defined) == set(specials.TEMPLATE_SPECIALS) - {specials.BOS, specials.EOS}
+    denver, new_york = tok.token_to_id("Denver"), tok.token_to_id("New\u2581York")
+    for text in ("in Denver and New York?", '">Denver</', "Denver", "(New York)"):
+        ids = _assert_plain_roundtrip(tok, text)
+        assert (denver in ids) == ("Denver" in text) and (new_york in ids) == ("York" in text)
+    assert tok.decode([new_york]) == "New York"
+    _assert_plain_roundtrip(tok, "Denver<｜User｜>New\u2581York")  # a literal `▁` stays text
+
+
 def test_bad_vocab_size(corpus: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"too small: this corpus needs at least \d+"):
         train_spm(corpus, 100, tmp_path / "small")
