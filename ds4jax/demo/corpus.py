@@ -348,10 +348,10 @@ def _chat(rng: random.Random) -> Task:
 
 #: training mix: kind → (share, drawer)
 KINDS: dict[str, tuple[float, Callable[[random.Random, bool], Task]]] = {
-    "single": (0.28, _single),
+    "single": (0.26, _single),
     "parallel": (0.34, _parallel),
-    "followup": (0.26, _followup),
-    "refusal": (0.07, _refusal),
+    "followup": (0.25, _followup),
+    "refusal": (0.10, _refusal),
     "chat": (0.05, lambda rng, _held: _chat(rng)),
 }
 

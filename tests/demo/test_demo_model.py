@@ -3,11 +3,7 @@ each kind composed from templates training never saw: single calls ≥ 90% right
 arguments, and an answer quoting the result), parallel calls ≥ 80% all right, follow-up
 rounds ≥ 80% right, out-of-scope prompts ≥ 90% without a call. Every tool-result turn
 continues the live state, with as many ids as calls.
-
-Two bars are not met yet by the shipped model (README, "The demo model"): for those the
-issue's bar is a strict xfail — it fails loudly once a retrained model meets it, so the
-marker gets removed — and a floor at the measured share less three tasks (greedy choices on
-near-ties can flip on another CPU) keeps what the model does from regressing."""
+"""
 
 from __future__ import annotations
 
@@ -18,8 +14,6 @@ from ds4jax.demo.train import DEMO_DIR
 from ds4jax.engine import Engine
 from ds4jax.model.checkpoint import load_model
 
-#: kinds below their issue-18 bar: measured right out of 50 (configs/demo/training.json's run)
-SHORT = {"parallel": 36, "refusal": 41}
 N = 50
 
 
@@ -43,26 +37,10 @@ def test_shipped_checkpoint_is_small_and_self_describing() -> None:
     assert (DEMO_DIR / "demo.model").is_file() and (DEMO_DIR / "training.json").is_file()
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        pytest.param(k, marks=pytest.mark.xfail(strict=True, reason="issue 18: not met yet"))
-        if k in SHORT
-        else k
-        for k in BARS
-    ],
-)
+@pytest.mark.parametrize("kind", list(BARS))
 def test_held_out_bar(outcomes: dict[str, list[Outcome]], kind: str) -> None:
     right, bad = _right(outcomes, kind)
     assert right >= BARS[kind] * N, bad
-
-
-@pytest.mark.parametrize("kind", list(SHORT))
-def test_held_out_floor_where_the_bar_is_not_met(
-    outcomes: dict[str, list[Outcome]], kind: str
-) -> None:
-    right, bad = _right(outcomes, kind)
-    assert right >= SHORT[kind] - 3, bad
 
 
 def test_every_tool_result_turn_continues_live(outcomes: dict[str, list[Outcome]]) -> None:
