@@ -130,6 +130,8 @@ class Ticket:
     on_decision: Callable[[Decision, int], None] | None
     forced: list[int] | None
     on_done: Callable[[Ticket], None] | None = None
+    #: after each token the row evaluated (or its sampled EOS): the server's metrics
+    on_token: Callable[[], None] | None = None
     result: Result | None = None
     error: Exception | None = None
     finished: threading.Event = field(default_factory=threading.Event)
@@ -247,6 +249,11 @@ class Engine:
         with self._state_lock:
             return self.pool.stats()
 
+    @property
+    def rows_active(self) -> int:
+        """Rows of the decode batch serving a request now."""
+        return sum(t is not None for t in self._rows)
+
     def prepare(
         self,
         conversation: Conversation,
@@ -363,12 +370,13 @@ class Engine:
         on_decision: Callable[[Decision, int], None] | None = None,
         forced_tokens: Sequence[int] | None = None,
         on_done: Callable[[Ticket], None] | None = None,
+        on_token: Callable[[], None] | None = None,
     ) -> Ticket:
         """Queue a request; `tick` (or `run`) serves it. `on_done(ticket)` fires once it has
-        a result or an error."""
+        a result or an error; `on_token()` after each token of its reply."""
         ticket = Ticket(prepared, on_event or (lambda _e: None), progress, cancel,
                         on_decision, list(forced_tokens) if forced_tokens is not None else None,
-                        on_done)  # fmt: skip
+                        on_done, on_token)  # fmt: skip
         with self._state_lock:
             self.waiting.append(ticket)
         return ticket
@@ -657,6 +665,8 @@ class Engine:
             self._keys[row] = keys[row]
             ticket = self._rows[row]
             ticket.decoder.accept(int(tokens[row]))
+            if ticket.on_token is not None:
+                ticket.on_token()
             if ticket.decoder.done:
                 self._finish_row(row)
 

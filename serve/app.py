@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from quart import Quart, Response, request
+from prometheus_client import CONTENT_TYPE_LATEST
+from quart import Quart, Response, g, request
 
 from ds4jax.chat.anthropic import MessagesRequest, RequestError, parse_messages_request
 from ds4jax.chat.chat_completions import parse_chat_request
@@ -30,6 +31,7 @@ from ds4jax.continuation.evidence import attach_tool_memory
 from ds4jax.continuation.reasoning_seal import ReasoningSeal
 from ds4jax.engine import EngineError, SamplingParams
 from serve import chat_wire, protocol, responses_wire
+from serve.metrics import ServerMetrics
 from serve.worker import EngineWorker, Job, Overloaded
 
 log = logging.getLogger("ds4jax.serve")
@@ -48,6 +50,8 @@ class ServerConfig:
     created_at: str = "2026-01-01T00:00:00Z"
     #: seals Responses reasoning items; `ds4jax serve` keeps its key in --kv-disk-dir
     seal: ReasoningSeal = field(default_factory=ReasoningSeal.fresh)
+    #: how the model is served, for /metrics' `model_config_info` (config, weights, mesh…)
+    info: dict[str, str] = field(default_factory=dict)
 
 
 OPENAI_PATHS = ("/v1/responses", "/v1/chat/completions")
@@ -69,12 +73,17 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.config["BODY_TIMEOUT"] = 600
     engine = worker.engine
+    metrics = ServerMetrics(
+        worker, config.model_name, {"context": str(engine.max_len), **config.info}
+    )
+    worker.watch(metrics)
 
     def model_ids() -> list[str]:
         return [config.model_name, *config.aliases]
 
     @app.before_request
     async def auth() -> Response | None:
+        g.arrived = time.perf_counter()  # a request's latencies count from here
         if request.method == "OPTIONS":
             return Response("", status=204)
         if config.api_key is None or request.path == "/health":
@@ -89,6 +98,8 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
 
     @app.after_request
     async def cors(resp: Response) -> Response:
+        if resp.status_code >= 400:
+            metrics.rejected(resp.status_code)
         if config.cors:
             resp.headers["Access-Control-Allow-Origin"] = "*"
             resp.headers["Access-Control-Allow-Headers"] = "*"
@@ -138,6 +149,10 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
         }
         return Response(json.dumps(body), status=200 if config.state == "ready" else 503,
                         content_type="application/json")  # fmt: skip
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), content_type=CONTENT_TYPE_LATEST)
 
     def model_obj(mid: str) -> dict[str, Any]:
         return {"type": "model", "id": mid, "display_name": mid, "created_at": config.created_at}
@@ -199,7 +214,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
             )  # fmt: skip
         except (RequestError, EngineError) as err:
             return _err(err.status, err.message, err.error_type)
-        job = Job(prepared, asyncio.get_running_loop())
+        job = Job(prepared, asyncio.get_running_loop(), arrived=g.arrived)
         job.forced_tokens = app.config.get("TEST_FORCED_TOKENS_HOOK", lambda _b: None)(body)
         try:
             worker.submit(job)
@@ -313,8 +328,10 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
                         if kind == "done":
                             out = stream.finish(payload)
                         elif isinstance(payload, EngineError):
+                            metrics.rejected(payload.status)
                             out = stream.fail(payload.message)
                         else:
+                            metrics.rejected(_status(payload))
                             out = stream.fail(f"generation failed: {type(payload).__name__}")
                         for frame in out:
                             yield frame
@@ -354,7 +371,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
         if isinstance(err, EngineError):
             return _err(err.status, err.message, err.error_type)
         if isinstance(err, Overloaded):
-            return _err(503, str(err))
+            return _err(_status(err), str(err))
         log.error("request failed: %r", err)
         return _err(500, f"generation failed: {type(err).__name__}")
 
@@ -407,6 +424,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
                     elif kind == "error":
                         finished = True
                         err = payload
+                        metrics.rejected(_status(err))
                         if isinstance(err, EngineError):
                             yield protocol.error_event(err.error_type, err.message)
                         else:
@@ -421,8 +439,16 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
         return _sse(frames())
 
     app.worker = worker  # type: ignore[attr-defined]
+    app.metrics = metrics  # type: ignore[attr-defined]  # held here: the worker's is weak
     app.server_config = config  # type: ignore[attr-defined]
     return app
+
+
+def _status(err: Exception) -> int:
+    """The HTTP status an engine-side failure answers with."""
+    if isinstance(err, EngineError):
+        return err.status
+    return 503 if isinstance(err, Overloaded) else 500
 
 
 async def warm_up(worker: EngineWorker) -> float:

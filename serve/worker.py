@@ -8,6 +8,10 @@ scheduler (`Engine.tick`) while it has work, so requests decode together, a new 
 prefill interleaves chunk by chunk with the others' tokens, and each stream gets its
 tokens as they are sampled. A job cancelled before it starts is skipped; one cancelled
 while running stops at the engine's next step.
+
+A job carries its own timeline (arrived, submitted, decided, first content event, tokens,
+finished), written on the engine's thread as things happen, so the server's metrics and log
+lines read one clock (`time.perf_counter`) and no request is timed twice.
 """
 
 from __future__ import annotations
@@ -16,10 +20,13 @@ import asyncio
 import logging
 import queue
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from ds4jax.continuation.types import Decision
 from ds4jax.engine import Engine, Prepared, Ticket
 
 log = logging.getLogger("ds4jax.serve")
@@ -29,6 +36,10 @@ class Overloaded(RuntimeError):
     pass
 
 
+class Cancelled(RuntimeError):
+    """A job whose client left while it was still queued: never handed to the engine."""
+
+
 @dataclass
 class Job:
     prepared: Prepared
@@ -36,13 +47,35 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     forced_tokens: list[int] | None = None  # tests only; never set from HTTP input
+    #: the request's timeline, `time.perf_counter()` seconds: when its HTTP request arrived
+    arrived: float = field(default_factory=time.perf_counter)
+    submitted: float | None = None  # queued for the engine
+    decided: float | None = None  # routed: its continuation path chosen, prefill begins
+    first_event: float | None = None  # its first content event (a stream's first delta)
+    first_token: float | None = None  # the first token of its reply
+    last_token: float | None = None
+    finished: float | None = None
+    tokens: int = 0  # tokens of its reply so far
 
     def post(self, kind: str, payload: Any = None) -> None:
         """Thread-safe: deliver (kind, payload) to the request's coroutine."""
+        if kind == "event" and self.first_event is None:
+            self.first_event = time.perf_counter()
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
         except RuntimeError:  # the loop is closed: the client is gone
             pass
+
+
+class Observer(Protocol):
+    """What watches jobs go by (the server's metrics); called on the engine's thread, so
+    each call must be quick and must not raise."""
+
+    def decided(self, job: Job, decision: Decision, prefill: int) -> None: ...
+
+    def token(self, job: Job, gap: float | None) -> None: ...
+
+    def finished(self, job: Job, result: Any) -> None: ...
 
 
 class EngineWorker:
@@ -54,6 +87,8 @@ class EngineWorker:
         self._inflight: list[Job] = []  # handed to the engine, not finished
         self.running: Job | None = None  # the latest job handed to the engine, until it ends
         self.hooks: list[Callable[[Job, Any], None]] = []  # called after each finished job
+        #: weak: an app that goes away (tests make many over one worker) stops observing
+        self._observers: tuple[weakref.ref[Observer], ...] = ()
         self._started = False
         self._stopping = False
 
@@ -79,6 +114,7 @@ class EngineWorker:
             self._jobs.put_nowait(job)
         except queue.Full as err:
             raise Overloaded("the server is busy; retry later") from err
+        job.submitted = time.perf_counter()
         job.post("queued", self._jobs.qsize())
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -108,15 +144,49 @@ class EngineWorker:
             on_event=lambda ev, j=job: j.post("event", ev),
             progress=lambda done, total, j=job: j.post("progress", (done, total)),
             cancel=job.cancel,
-            on_decision=lambda d, n, j=job: j.post("decided", (d, n)),
+            on_decision=lambda d, n, j=job: self._decided(j, d, n),
             forced_tokens=job.forced_tokens,
             on_done=lambda t, j=job: self._finished(j, t),
+            on_token=lambda j=job: self._token(j),
         )
 
-    def _finished(self, job: Job, ticket: Ticket) -> None:
-        if ticket.error is not None:  # reported to the client; the worker lives on
+    def _decided(self, job: Job, decision: Decision, prefill: int) -> None:
+        job.decided = time.perf_counter()
+        self._tell("decided", job, decision, prefill)
+        job.post("decided", (decision, prefill))
+
+    def _token(self, job: Job) -> None:
+        now = time.perf_counter()
+        gap = None if job.last_token is None else now - job.last_token
+        if job.first_token is None:
+            job.first_token = now
+        job.last_token = now
+        job.tokens += 1
+        self._tell("token", job, gap)
+
+    def watch(self, observer: Observer) -> None:
+        """Tell `observer` of every job from now on, for as long as something else holds it."""
+        alive = tuple(r for r in self._observers if r() is not None)
+        self._observers = (*alive, weakref.ref(observer))  # replaced whole: no lock to read
+
+    def _tell(self, what: str, *args: Any) -> None:
+        for ref in self._observers:
+            observer = ref()
+            if observer is None:
+                continue
+            try:
+                getattr(observer, what)(*args)
+            except Exception:  # metrics must never take the worker down
+                log.exception("observer %s failed", what)
+
+    def _finished(self, job: Job, ticket: Ticket | None) -> None:
+        """`ticket` None: the job was cancelled before it started."""
+        job.finished = time.perf_counter()
+        if ticket is None:
+            result: Any = Cancelled("the client went away while the request was queued")
+        elif ticket.error is not None:  # reported to the client; the worker lives on
             job.post("error", ticket.error)
-            result: Any = ticket.error
+            result = ticket.error
         else:
             job.post("done", ticket.result)
             result = ticket.result
@@ -124,6 +194,7 @@ class EngineWorker:
             self._inflight.remove(job)
         if self.running is job:
             self.running = None
+        self._tell("finished", job, result)
         for hook in self.hooks:
             try:
                 hook(job, result)
@@ -142,8 +213,11 @@ class EngineWorker:
             if job is None:
                 self._drain()
                 return
-            if isinstance(job, Job) and not job.cancel.is_set():  # else its client left
-                self._start_job(job)
+            if isinstance(job, Job):
+                if job.cancel.is_set():  # its client left while it was queued
+                    self._finished(job, None)
+                else:
+                    self._start_job(job)
             self._step()
 
     def _step(self) -> None:

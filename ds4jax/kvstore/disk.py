@@ -428,6 +428,8 @@ class DiskStore:
         self._index: dict[str, _Entry] = {}
         self._ignored: set[str] = set()  # names already logged as not checkpoints
         self._bad: set[str] = set()  # checkpoints whose load failed in this process
+        #: checkpoints written and loaded by this process (the server's metrics)
+        self.saved = self.restored = 0
         self._make_directory()
         with self._lock:
             self._clean_tmp()
@@ -668,6 +670,7 @@ class DiskStore:
             raise KVStoreError(f"checkpoint {entry.key}: {err}") from err
         with self._lock:
             self._touch(entry, hit=True)
+            self.restored += 1
         log.info(
             "kv cache hit tokens=%d key=%s reason=%s hits=%d load=%.0f ms",
             len(tokens),
@@ -783,6 +786,7 @@ class DiskStore:
                 last_used=meta["created"],
             )
             self._bad.discard(key)
+            self.saved += 1
             log.info(
                 "kv cache stored tokens=%d reason=%s key=%s size=%.2f MiB save=%.0f ms",
                 n, reason, KEY_TOKEN_TEXT, size / _MiB, (time.perf_counter() - t0) * 1e3,

@@ -36,6 +36,7 @@ from tests.serve.conftest import (
     wait_idle,
     wait_until,
 )
+from tests.serve.metrics_scrape import Scrape
 
 ITALIAN = "Rispondi in italiano con una frase: chi era Ada Lovelace?"
 
@@ -256,6 +257,8 @@ async def test_disconnect_while_queued_skips_the_job(
             **extra,
         }
 
+    metrics = socket_app.app.metrics
+    before = Scrape.parse(metrics.render().decode())
     async with httpx2.AsyncClient(base_url=socket_app.url, timeout=30) as c:
         first = asyncio.ensure_future(c.post("/v1/messages", json=req("first")))
         await wait_until(lambda: worker.running is not None)  # held at the gate
@@ -270,6 +273,12 @@ async def test_disconnect_while_queued_skips_the_job(
         assert (await first).json()["content"][0]["text"] == "ok"
     wait_idle(worker)
     assert gate.runs == ["first"]  # the abandoned job never ran
+    # /metrics: the abandoned one counts once, as cancelled; never routed, it has no latencies
+    after = Scrape.parse(metrics.render().decode())
+    d = lambda name, **kw: after.delta(before, "ds4jax:" + name, **kw)  # noqa: E731
+    assert d("requests_total", finish_reason="cancelled") == 1
+    assert d("requests_total", finish_reason="end_turn") == 1 and d("requests_total") == 2
+    assert d("e2e_request_latency_seconds_count") == 1 and d("continuation_total") == 1
 
 
 async def drive_until_disconnect(app: Any, payload: dict[str, Any]) -> None:
@@ -328,8 +337,14 @@ async def test_disconnect_with_events_pending_cancels_generation(
         "messages": user("talk"),
         **force(LONG),
     }
-    await drive_until_disconnect(make_app(worker), payload)
+    app = make_app(worker)
+    await drive_until_disconnect(app, payload)
     wait_idle(worker, timeout=120)
     (result,) = results
     assert result.finish == "cancelled" and result.output_tokens < 1000
+    m = Scrape.parse(app.metrics.render().decode())  # counted once, as such
+    assert m.get("ds4jax:requests_total") == 1
+    assert m.get("ds4jax:requests_total", finish_reason="cancelled") == 1
+    assert m.get("ds4jax:e2e_request_latency_seconds_count") == 1
+    assert m.get("ds4jax:generation_tokens_total") == result.output_tokens
     assert_cold_equivalent(engine)
