@@ -256,6 +256,17 @@ def llamacpp_rows(rep: Row) -> list[Row]:
     return rows
 
 
+def metrics_decode_rows(rep: Row) -> list[Row]:
+    d = rep["decode"]
+    return [{"metrics": "on", "tok_per_s": t} for t in d["metrics_on_tok_s"]] + [
+        {"metrics": "off", "tok_per_s": t} for t in d["metrics_off_tok_s"]
+    ]
+
+
+def metrics_scrape_rows(rep: Row) -> list[Row]:
+    return [dict(rep["scrape"])]
+
+
 TABLES: dict[str, list[tuple[str, Callable[[Row], list[Row]]]]] = {
     "prompt": [("tokenize", prompt_rows)],
     "model": [("prefill", prefill_rows), ("decode", decode_rows), ("state-bytes", state_rows)],
@@ -269,6 +280,7 @@ TABLES: dict[str, list[tuple[str, Callable[[Row], list[Row]]]]] = {
                  ("latency", batching_latency_rows)],
     "responses": [("ttft", continuation_rows)],
     "llamacpp": [("speed", llamacpp_rows)],
+    "metrics": [("decode", metrics_decode_rows), ("scrape", metrics_scrape_rows)],
 }  # fmt: skip
 
 

@@ -235,6 +235,13 @@ def llamacpp(rep: Row) -> list[Row]:
     return out
 
 
+def metrics(rep: Row) -> list[Row]:
+    d = rep["decode"]
+    at = f"{d['streams']} streams x {d['tokens_each']} tokens, tiny"
+    return [ratio("metrics", "metrics on / off decode tok/s", at, d["on_median_tok_s"],
+                  d["off_median_tok_s"], "tok/s")]  # fmt: skip
+
+
 PARTS = {
     "prompt": prompt,
     "model": model,
@@ -245,6 +252,7 @@ PARTS = {
     "batching": batching,
     "responses": responses,
     "llamacpp": llamacpp,
+    "metrics": metrics,
 }
 
 

@@ -217,6 +217,14 @@ LLAMACPP = {
                         "all_f32": {"pp512": 1000.0, "tg32": 60.0}},
 }  # fmt: skip
 
+METRICS = {
+    "decode": {"streams": 8, "tokens_each": 128, "rounds": 2,
+               "metrics_on_tok_s": [99.0, 101.0], "metrics_off_tok_s": [100.0, 100.0],
+               "on_median_tok_s": 99.0, "off_median_tok_s": 100.0, "on_over_off": 0.99},
+    "scrape": {"sessions_resident": 8, "fork_points": 8, "scrapes": 200, "median_ms": 1.2,
+               "max_ms": 3.0, "bytes": 21000},
+}  # fmt: skip
+
 RESULTS = {
     "prompt": PROMPT,
     "model": MODEL,
@@ -227,6 +235,7 @@ RESULTS = {
     "batching": BATCHING,
     "responses": RESPONSES,
     "llamacpp": LLAMACPP,
+    "metrics": METRICS,
 }
 
 
@@ -272,6 +281,7 @@ def test_every_part_writes_stamped_csvs_and_its_plots(written) -> None:
     ]
     assert names["responses"] == ["responses-STAMP-ttft.csv"]
     assert names["llamacpp"] == ["llamacpp-STAMP-speed.csv"]
+    assert names["metrics"] == ["metrics-STAMP-decode.csv", "metrics-STAMP-scrape.csv"]
     for path in (p for paths in written.values() for p in paths if p.suffix == ".png"):
         data = path.read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 5000, path
@@ -319,6 +329,7 @@ def _value(rows: list[dict[str, Any]], name: str, at: str) -> float | None:
 def test_summary_ratios_are_this_runs_measurements() -> None:
     rows = summary.summary_rows(RESULTS)
     assert _value(rows, "cold / live_call_id TTFT", "20400 ") == 160.0
+    assert _value(rows, "metrics on / off decode tok/s", "8 streams") == 0.99
     assert _value(rows, "ds4jax / llama.cpp (as_converted) tok/s", "decode") == 0.6
     assert _value(rows, "ds4jax / llama.cpp (all_f32) tok/s", "prefill 512") == 2.0
     assert _value(rows, "cold / visible_prefix TTFT", "20400 ") == 200.0
