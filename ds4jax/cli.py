@@ -73,7 +73,8 @@ def _load_model(args: argparse.Namespace) -> tuple[Any, Any, Any, Callable[[Any]
     placement = Placement(args.mesh)
     cfg, params, tokenizer, _ = load_model(
         args.model, args.config, args.seed, attention_impl=args.attention_impl,
-        shardings=placement, weights=args.weights,
+        shardings=placement, weights=args.weights, revision=args.revision,
+        download_dir=args.download_dir,
     )  # fmt: skip
     quant = getattr(args, "quant_sim", None)
     if quant is not None:
@@ -174,7 +175,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ds4jax.config import load_config
     from ds4jax.plan import as_json, describe, plan
 
-    cfg = load_config(args.config)
+    try:
+        cfg = load_config(args.config)
+    except FileNotFoundError:
+        from ds4jax.model import hub
+
+        if not hub.is_repo_id(args.config):
+            raise
+        cfg = load_config(hub.config_file(args.config, args.revision, args.download_dir))
     kw = dict(devices=args.devices, hbm_gb=args.hbm_gb, ctx=args.ctx, sessions=args.sessions,
               weights=args.weights, max_batch=args.max_batch, reserve=args.reserve)  # fmt: skip
     plans = plan(cfg, **kw)
@@ -188,10 +196,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
-    from ds4jax.model.checkpoint import convert
+    from ds4jax.model.checkpoint import convert, resolve_model_dir
 
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
-    dst = convert(args.src, args.dst, dtype=dtype, force=args.force)
+    src = resolve_model_dir(args.src, args.revision, args.download_dir)
+    dst = convert(src, args.dst, dtype=dtype, force=args.force)
     print(dst)
     return 0
 
@@ -217,6 +226,18 @@ def add_attention_impl(sp: argparse.ArgumentParser) -> None:
         "--attention-impl", choices=["auto", "xla", "pallas"], default=None,
         help="attention: the config's (default; usually auto: per op the faster measured "
         "choice on this platform), xla (jnp twins) or pallas (the kernels)",
+    )  # fmt: skip
+
+
+def add_hub_options(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument(
+        "--revision", default=None,
+        help="a Hugging Face Hub repo id's branch, tag or commit (default main)",
+    )  # fmt: skip
+    sp.add_argument(
+        "--download-dir", default=None,
+        help="the Hugging Face cache a repo id is read from and fetched into (default "
+        "HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)",
     )  # fmt: skip
 
 
@@ -268,14 +289,15 @@ def build_parser() -> argparse.ArgumentParser:
     def with_model(sp: argparse.ArgumentParser) -> None:
         src = sp.add_mutually_exclusive_group(required=True)
         src.add_argument(
-            "--model", help="checkpoint directory (Orbax, transformers or official) or a "
-            "named model (demo)"
+            "--model", help="checkpoint directory (Orbax, transformers or official), a "
+            "named model (demo) or a Hugging Face Hub repo id org/name"
         )  # fmt: skip
         src.add_argument("--config", help="named config with random weights, e.g. tiny")
         sp.add_argument("--seed", type=int, default=0, help="weights seed with --config")
         add_attention_impl(sp)
         add_weights(sp)
         sp.add_argument("--mesh", default=None, help=MESH_HELP)
+        add_hub_options(sp)
 
     sp = sub.add_parser("dump-logits", help="write float32 logits for every prompt position")
     with_model(sp)
@@ -299,7 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("plan", help="bytes per device and the mesh for a model, context and "
                         "session pool on N devices (nothing is allocated)")  # fmt: skip
-    sp.add_argument("--config", default="deepseek-v4-flash", help="named config or a config.json")
+    sp.add_argument("--config", default="deepseek-v4-flash",
+                    help="named config, a config.json, or a Hub repo id org/name (reads its "
+                    "config.json alone)")  # fmt: skip
     sp.add_argument("--devices", type=int, required=True)
     sp.add_argument("--hbm-gb", type=float, required=True, help="memory per device, GB")
     sp.add_argument("--ctx", type=int, default=8192, help="context per session (serve --ctx)")
@@ -313,13 +337,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of each device kept for activations and XLA (default 0.1)",
     )
     sp.add_argument("--json", action="store_true", help="one JSON object, every mesh")
+    add_hub_options(sp)
     sp.set_defaults(func=cmd_plan)
 
     sp = sub.add_parser("convert", help="checkpoint (transformers/official/Orbax) → Orbax")
-    sp.add_argument("src")
+    sp.add_argument("src", help="checkpoint directory, named model or Hub repo id org/name")
     sp.add_argument("dst")
     sp.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     sp.add_argument("--force", action="store_true", help="replace an existing params checkpoint")
+    add_hub_options(sp)
     sp.set_defaults(func=cmd_convert)
 
     sp = sub.add_parser("serve", help="serve /v1/messages, /v1/responses and /v1/chat/completions")
@@ -348,8 +374,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(err.body(), ensure_ascii=False), file=sys.stderr)
         return 1
     except (FileNotFoundError, FileExistsError, ValueError) as err:
+        from ds4jax.model.hub import HubError
+
         print(f"ds4jax {args.command}: {err}", file=sys.stderr)
-        return 1
+        # 2, as for a usage error: the model named is not reachable from here, nothing broke
+        return 2 if isinstance(err, HubError) else 1
 
 
 if __name__ == "__main__":

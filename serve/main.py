@@ -12,11 +12,12 @@ import sys
 import time
 from typing import Any
 
-from ds4jax.cli import add_attention_impl, add_weights
+from ds4jax.cli import add_attention_impl, add_hub_options, add_weights
 from ds4jax.config import CONFIG_DIR
 from ds4jax.continuation.reasoning_seal import ReasoningSeal
 from ds4jax.engine import Engine
 from ds4jax.model.sharding import MESH_HELP
+from serve import logs
 from serve.app import ServerConfig, create_app
 from serve.worker import EngineWorker
 
@@ -36,11 +37,12 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     src = sp.add_mutually_exclusive_group()
     src.add_argument(
         "--model",
-        help="checkpoint directory (Orbax, transformers or official) or named model "
-        f"(default {DEFAULT_MODEL}, the trained demo)",
+        help="checkpoint directory (Orbax, transformers or official), named model or "
+        f"Hugging Face Hub repo id org/name (default {DEFAULT_MODEL}, the trained demo)",
     )
     src.add_argument("--config", help="named config with random weights, e.g. tiny")
     sp.add_argument("--seed", type=int, default=DEFAULT_SEED, help="weights seed with --config")
+    add_hub_options(sp)
     add_attention_impl(sp)
     add_weights(sp)
     sp.add_argument("--host", default="127.0.0.1")
@@ -70,7 +72,10 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--trace", default=None, help="append JSON lines per request to FILE")
     sp.add_argument("--cors", action="store_true", help="send permissive CORS headers")
     sp.add_argument("--queue", type=int, default=16, help="max queued requests (then 503)")
-    sp.add_argument("--log-level", default="INFO")
+    sp.add_argument("--log-level", default="INFO",
+                    help="debug also shows the libraries' own lines (Orbax, JAX)")  # fmt: skip
+    sp.add_argument("--stats-interval", type=float, default=10.0,
+                    help="seconds between stats lines while there is work (0: none)")  # fmt: skip
 
 
 def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
@@ -90,7 +95,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     try:
         cfg, params, tokenizer, banner = load_model(
             model, config, args.seed, attention_impl=args.attention_impl, shardings=placement,
-            weights=args.weights,
+            weights=args.weights, revision=args.revision, download_dir=args.download_dir,
         )  # fmt: skip
     except MeshError as err:
         raise SystemExit(f"ds4jax serve: {err}") from err
@@ -201,10 +206,24 @@ def group_failed(dead: list[int], config: ServerConfig) -> None:
     os._exit(3)
 
 
+def served_info(args: argparse.Namespace, engine: Engine) -> dict[str, str]:
+    """`ds4jax:model_config_info`'s labels: what an operator asks of a running server."""
+    mesh = getattr(engine, "mesh", None)
+    return {
+        "model": str(args.model or (DEFAULT_MODEL if args.config is None else "")),
+        "config": str(args.config or ""),
+        "weights": str(args.weights),
+        "attention_impl": str(engine.cfg.attention_impl),
+        "mesh": ",".join(f"{k}={v}" for k, v in mesh.shape.items()) if mesh else "none",
+        "context": str(engine.max_len),
+        "sessions": str(args.sessions),
+        "max_batch": str(engine.max_batch),
+        "processes": str(args.num_processes),
+    }
+
+
 def serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    logs.configure(args.log_level)
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config as HyperConfig
 
@@ -234,9 +253,11 @@ def serve(args: argparse.Namespace) -> int:
         if args.kv_disk_dir:  # the followers' tool memory, as the leader read it from disk
             engine.remember(engine.store.tool_entries())
     worker = EngineWorker(engine, max_queue=args.queue)
+    worker.hooks.append(lambda job, result: log.info("%s", logs.request_line(job, result)))
     if args.trace:
         worker.hooks.append(trace_hook(args.trace))
-    config = ServerConfig(model_name=args.model_name, api_key=args.api_key, cors=args.cors)
+    config = ServerConfig(model_name=args.model_name, api_key=args.api_key, cors=args.cors,
+                          info=served_info(args, engine))  # fmt: skip
     if args.kv_disk_dir:  # Responses reasoning seals stay valid across restarts
         config.seal = ReasoningSeal.in_dir(args.kv_disk_dir)
     app = create_app(worker, config)
@@ -244,6 +265,7 @@ def serve(args: argparse.Namespace) -> int:
     hc = HyperConfig()
     hc.bind = [f"{args.host}:{args.port}"]
     hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")  # our handler and format, once
     hc.graceful_timeout = 5
 
     async def main() -> None:
@@ -258,12 +280,17 @@ def serve(args: argparse.Namespace) -> int:
         print("ds4jax: compiling and warming up …", file=sys.stderr, flush=True)
         await loop.run_in_executor(None, engine.warm_up)
         config.state = "ready"
+        stats = None
+        if args.stats_interval > 0:
+            stats = logs.StatsLine(app.metrics, args.stats_interval).start()
         print(
             f"ds4jax: ready on http://{args.host}:{args.port} ({time.perf_counter() - t0:.1f}s)",
             file=sys.stderr,
             flush=True,
         )
         await server
+        if stats is not None:
+            stats.stop()
         # cancel the running request at its next step, refuse queued ones, then let the
         # store keep the live frontier (the shutdown save)
         await loop.run_in_executor(None, worker.stop)

@@ -184,17 +184,16 @@ class EngineWorker:
         job.finished = time.perf_counter()
         if ticket is None:
             result: Any = Cancelled("the client went away while the request was queued")
-        elif ticket.error is not None:  # reported to the client; the worker lives on
-            job.post("error", ticket.error)
-            result = ticket.error
         else:
-            job.post("done", ticket.result)
-            result = ticket.result
+            result = ticket.error if ticket.error is not None else ticket.result
         if job in self._inflight:
             self._inflight.remove(job)
         if self.running is job:
             self.running = None
+        # counted before the client hears of it: a scrape after the reply sees the request
         self._tell("finished", job, result)
+        if ticket is not None:  # an error is reported to the client; the worker lives on
+            job.post("error" if ticket.error is not None else "done", result)
         for hook in self.hooks:
             try:
                 hook(job, result)

@@ -212,17 +212,28 @@ def convert(
     return save_params(params, cfg, dst_p, force=force)
 
 
-def resolve_model_dir(name_or_path: str | Path) -> Path:
-    """A checkpoint directory, or a named model shipped beside the named configs
-    (`configs/<name>/`, e.g. `demo`)."""
+def resolve_model_dir(
+    name_or_path: str | Path, revision: str | None = None, download_dir: str | Path | None = None
+) -> Path:
+    """A checkpoint directory, a named model shipped beside the named configs
+    (`configs/<name>/`, e.g. `demo`), or else a Hugging Face Hub repo id `org/name`: its
+    snapshot in the Hub cache (`model.hub.snapshot`; `revision` and `download_dir` apply to
+    it alone), fetched first when online."""
     p = Path(name_or_path)
     if p.exists():
         return p
     named = CONFIG_DIR / str(name_or_path)
     if named.is_dir():
         return named
+    from ds4jax.model import hub
+
+    if hub.is_repo_id(str(name_or_path)):
+        return hub.snapshot(str(name_or_path), revision, download_dir)
     names = sorted(q.name for q in CONFIG_DIR.iterdir() if q.is_dir())
-    raise FileNotFoundError(f"no model {str(name_or_path)!r}: no such directory (named: {names})")
+    raise FileNotFoundError(
+        f"no model {str(name_or_path)!r}: no such directory, not a named model ({names}) "
+        "and not a Hub repo id org/name"
+    )
 
 
 #: `--weights` → the dtype of what is not kept quantized
@@ -238,10 +249,13 @@ def load_model(
     attention_impl: str | None = None,
     shardings: Any = None,
     weights: str | None = None,
+    revision: str | None = None,
+    download_dir: str | None = None,
 ) -> tuple[Config, Params, Tokenizer, str]:
     """(config, params, tokenizer, description) for the CLI and the server: a checkpoint
-    directory or named model (its own tokenizer.json or SentencePiece `.model` when it ships
-    one, else the official V4 tokenizer), or a named config with random weights.
+    directory, named model or Hub repo id (`resolve_model_dir`, with `revision` and
+    `download_dir`; its own tokenizer.json or SentencePiece `.model` when it ships one, else
+    the official V4 tokenizer), or a named config with random weights.
     `attention_impl` overrides the config's (xla / pallas / auto). `shardings`: where the
     params go, as `restore_params` takes it (`model.sharding.Placement` for a `--mesh`).
     `weights` (`WEIGHTS`, overrides `dtype`): f32, bf16, or fp8 — the release's FP8/FP4
@@ -251,7 +265,9 @@ def load_model(
         if weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {sorted(WEIGHTS)}, not {weights!r}")
         dtype = WEIGHTS[weights]
-    cfg, params, tokenizer, what = _load(model, config, seed, dtype, shardings, resident)
+    cfg, params, tokenizer, what = _load(
+        model, config, seed, dtype, shardings, resident, revision, download_dir
+    )
     if attention_impl is not None:
         cfg = cfg.replace(attention_impl=attention_impl)
     return cfg, params, tokenizer, what
@@ -264,13 +280,15 @@ def _load(
     dtype: Any,
     shardings: Any,
     resident: bool = False,
+    revision: str | None = None,
+    download_dir: str | None = None,
 ) -> tuple[Config, Params, Tokenizer, str]:
     from ds4jax.chat.tokenizer import load_tokenizer
     from ds4jax.config import load_config
     from ds4jax.model.params import init_params
 
     if model is not None:
-        d = resolve_model_dir(model)
+        d = resolve_model_dir(model, revision, download_dir)
         cfg, params = load_any(d, dtype=dtype, shardings=shardings, resident=resident)
         own = (d / "tokenizer.json").is_file() or any(d.glob("*.model"))
         return cfg, params, load_tokenizer(d if own else None), f"model {model}"

@@ -262,7 +262,8 @@ def _read_release_config(directory: Path) -> dict[str, Any]:
     return json.loads(p.read_text(encoding="utf-8")) if p.is_file() else {}
 
 
-def _weight_map(directory: Path) -> dict[str, str] | None:
+def read_weight_map(directory: Path) -> dict[str, str] | None:
+    """The index's tensor → shard file map; None without an index (one unsharded file)."""
     index = directory / "model.safetensors.index.json"
     if not index.is_file():
         return None
@@ -275,7 +276,7 @@ def _weight_map(directory: Path) -> dict[str, str] | None:
 def open_source(directory: str | Path) -> RawTensorSource:
     """All tensors of a (possibly sharded) safetensors directory, any dtype."""
     directory = Path(directory)
-    weight_map = _weight_map(directory)
+    weight_map = read_weight_map(directory)
     if weight_map is not None:
         missing = sorted({f for f in weight_map.values() if not (directory / f).is_file()})
         if missing:

@@ -40,7 +40,7 @@ from ds4jax.model.official import (
     write_official_checkpoint,
 )
 from ds4jax.model.params import Params, path_name
-from tests.model.test_official_checkpoint import random_params, tiny_config
+from tests.model.tiny_model import assert_same, random_params, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,15 +58,6 @@ def params(cfg: Config) -> Params:
 @pytest.fixture(scope="module")
 def saved(params: Params, cfg: Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_params(params, cfg, tmp_path_factory.mktemp("orbax") / "ckpt")
-
-
-def assert_same(a: Params, b: Params) -> None:
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for (path, x), y in zip(
-        jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True
-    ):
-        assert x.dtype == y.dtype and x.shape == y.shape, path_name(path)
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=path_name(path))
 
 
 def expert_shardings(params: Params, mesh: Mesh) -> Params:
@@ -131,7 +122,7 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ds4jax.model.checkpoint import restore_params, save_params
 from ds4jax.model.params import path_name
-from tests.model.test_official_checkpoint import random_params, tiny_config
+from tests.model.tiny_model import random_params, tiny_config
 
 assert len(jax.devices()) == 8, jax.devices()
 cfg = tiny_config()

@@ -349,8 +349,9 @@ class ServeProcess:
 
 
 _early: dict[str, Any] = {}
-#: the demo server's flags: no model flags, a session for each of six concurrent agents
-DEMO_SERVE_ARGS = ("--sessions", "6")
+#: the demo server's flags: no model flags, a session for each of six concurrent agents, a
+#: stats line every second
+DEMO_SERVE_ARGS = ("--sessions", "6", "--stats-interval", "1")
 #: the multi-host group: two processes of 4 CPU devices each, one 2×4 mesh over all 8
 #: (the chunk sizes the tests' prompts are cut into, as with the default ones: 256 would only
 #: add a compile)

@@ -6,6 +6,7 @@ which really calls its tools."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import anthropic
 import httpx2
@@ -65,6 +66,10 @@ async def test_metrics_sit_behind_the_api_key_and_name_everything(
     assert m.get(P + "sessions") == 1 and m.get(P + "batch_rows") == engine.max_batch
     assert m.get(P + "state_bytes_limit") == float("inf")  # the shared engine has no budget
     assert not [n for n in m.names() if n.endswith("_created")]
+    # the operators' page documents every family the server exports
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "operating.md").read_text()
+    undocumented = [f for f in m.families if f"`{f}" not in doc]
+    assert not undocumented, undocumented
 
 
 @pytest.mark.anyio

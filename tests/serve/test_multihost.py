@@ -18,6 +18,7 @@ import pytest
 
 from ds4jax.demo.corpus import TOOLS, run_tool
 from tests.serve.conftest import ServeGroup, ServeProcess, take_served
+from tests.serve.metrics_scrape import scrape
 
 LIVE_LINE = "anthropic live continuation match=tool-output-ids ids=1"
 
@@ -107,10 +108,18 @@ def test_disk_checkpoints_of_the_group_serve_it_and_one_process(
     """Process 0 alone writes and reads the disk; a hit's state reaches the follower by
     broadcast; and what the group wrote restores in one process on one device."""
     leader = served_group.leader
+    before = scrape(leader.url)
     ask(leader.url, "What is 17 plus 25?")  # cold: the system + tools are saved
     wait_for(leader, "kv cache stored tokens=")
     got = ask(leader.url, "What's the weather in Lima?")  # continues from the disk
     wait_for(leader, "cache source=disk-text cached=")
+    # process 0 serves the group's figures: its disk store's saves and loads among them
+    after = scrape(leader.url)
+    d = lambda name, **kw: after.delta(before, "ds4jax:" + name, **kw)  # noqa: E731
+    assert d("disk_checkpoint_saves_total") >= 1 and d("disk_checkpoint_restores_total") == 1
+    assert d("continuation_total", source="disk") == 1 and d("continuation_total") == 2
+    assert after.get("ds4jax:disk_checkpoint_bytes") > 0
+    assert after.get("ds4jax:model_config_info", processes="2", mesh="expert=2,tensor=4") == 1
     want = ask(demo_served.url, "What's the weather in Lima?")  # one device, cold
     strip = lambda m: [b.model_dump(exclude={"id"}, exclude_none=True) for b in m.content]  # noqa: E731
     assert strip(got) == strip(want)
