@@ -238,8 +238,12 @@ def llamacpp(rep: Row) -> list[Row]:
 def metrics(rep: Row) -> list[Row]:
     d = rep["decode"]
     at = f"{d['streams']} streams x {d['tokens_each']} tokens, tiny"
-    return [ratio("metrics", "metrics on / off decode tok/s", at, d["on_median_tok_s"],
+    rows = [ratio("metrics", "metrics on / off decode tok/s", at, d["on_median_tok_s"],
                   d["off_median_tok_s"], "tok/s")]  # fmt: skip
+    if "token_us" in d:  # how many times the observer's own time a token takes
+        rows.append(ratio("metrics", "token time / metrics observer's time per token", at,
+                          round(1e6 / d["off_median_tok_s"], 2), d["token_us"], "us"))  # fmt: skip
+    return rows
 
 
 PARTS = {

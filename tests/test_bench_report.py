@@ -218,7 +218,8 @@ LLAMACPP = {
 }  # fmt: skip
 
 METRICS = {
-    "decode": {"streams": 8, "tokens_each": 128, "rounds": 2,
+    "decode": {"streams": 8, "tokens_each": 128, "rounds": 2, "token_us": 2.0,
+               "request_us": 12.0, "observer_share_of_token": 0.0002,
                "metrics_on_tok_s": [99.0, 101.0], "metrics_off_tok_s": [100.0, 100.0],
                "on_median_tok_s": 99.0, "off_median_tok_s": 100.0, "on_over_off": 0.99},
     "scrape": {"sessions_resident": 8, "fork_points": 8, "scrapes": 200, "median_ms": 1.2,
@@ -330,6 +331,8 @@ def test_summary_ratios_are_this_runs_measurements() -> None:
     rows = summary.summary_rows(RESULTS)
     assert _value(rows, "cold / live_call_id TTFT", "20400 ") == 160.0
     assert _value(rows, "metrics on / off decode tok/s", "8 streams") == 0.99
+    # 10 ms a token (100 tok/s), 2 us of it the observer's
+    assert _value(rows, "token time / metrics observer's time per token", "8 streams") == 5000
     assert _value(rows, "ds4jax / llama.cpp (as_converted) tok/s", "decode") == 0.6
     assert _value(rows, "ds4jax / llama.cpp (all_f32) tok/s", "prefill 512") == 2.0
     assert _value(rows, "cold / visible_prefix TTFT", "20400 ") == 200.0
