@@ -303,6 +303,7 @@ async def test_live_only_tool_result_gets_409_when_the_live_state_moved_first(
 
 
 async def test_409_after_the_stream_started_is_an_error_event(
+    app: Any,
     client: anthropic.AsyncAnthropic,
     raw: httpx2.AsyncClient,
     engine: Engine,
@@ -331,6 +332,11 @@ async def test_409_after_the_stream_started_is_an_error_event(
     # a queued stream opens with message_start; the 409 then arrives as an error event
     assert [e for e, _ in events if e != "ping"] == ["message_start", "error"]
     assert events[-1][1]["error"] == {"type": "invalid_request_error", "message": LIVE_GONE}
+    # /metrics: the refusal inside the stream counts once, as the 409 it would have been
+    counted = app.metrics.registry.get_sample_value(
+        "ds4jax:rejected_requests_total", {"model_name": MODEL, "status": "409"}
+    )
+    assert counted == 1
 
 
 async def test_requests_run_in_arrival_order(

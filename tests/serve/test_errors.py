@@ -32,6 +32,7 @@ from tests.serve.conftest import (
     user,
     wait_until,
 )
+from tests.serve.metrics_scrape import Scrape
 
 pytestmark = pytest.mark.anyio
 
@@ -277,6 +278,9 @@ async def test_body_over_the_limit_is_413(engine: Engine, worker: EngineWorker) 
             assert_anthropic_error(resp, 413, "request_too_large")
         resp = await c.post("/v1/messages", json=body(**force("ok")))  # under the limit
         assert resp.status_code == 200
+        metrics = Scrape.parse((await c.get("/metrics")).text)
+    assert metrics.get("ds4jax:rejected_requests_total", status="413") == 2
+    assert metrics.get("ds4jax:rejected_requests_total") == 2
 
 
 async def test_body_over_the_default_32_mib_is_413(raw: httpx2.AsyncClient) -> None:
@@ -319,8 +323,17 @@ async def test_full_queue_is_503_overloaded(engine: Engine) -> None:
             assert_anthropic_error(resp, 503, "overloaded_error")
         health = (await c.get("/health")).json()
         assert health["queue_depth"] == 1
+        metrics = Scrape.parse((await c.get("/metrics")).text)
+        assert metrics.get("ds4jax:requests_waiting") == 1
         idle.stop()
         assert_anthropic_error(await first, 503, "overloaded_error")
+    # each refusal counted once, under its status
+    assert (
+        app.metrics.registry.get_sample_value(
+            "ds4jax:rejected_requests_total", {"model_name": MODEL, "status": "503"}
+        )
+        == 3
+    )
 
 
 def test_the_queue_limit_counts_requests_not_started_only() -> None:
