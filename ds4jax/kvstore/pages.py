@@ -1,0 +1,150 @@
+"""The page pool's bookkeeping (issue 26, part 1): which page holds which tokens of which
+frontier, as plain host-side data the jitted step will receive as arrays.
+
+Why pages: a retained state today is a fixed-capacity array sized for `--ctx`, so a 2k-token
+conversation at `--ctx 1M` costs what a 1M-token one does, and every fork point and batch row
+costs it again. In pages, the long part of a frontier (compressed rows, indexer rows) is a
+list of 256-token blocks (64 CSA rows, 64 indexer rows, 2 HCA rows each — one logical block
+for every layer kind, as vLLM, SGLang and llama.cpp size theirs), and a full block is
+shared by every frontier holding those tokens: the live session that moved on, its fork
+points, a retry, a sub-agent with the same system prompt, a batch row.
+
+The rules, all enforced here (`tests/kvstore/test_pages.py` holds them over random
+interleavings):
+- A `PageTable` is immutable, like the frontier it belongs to; holding one holds a
+  reference on each of its pages. `release` gives them back; a page is free again when no
+  table holds it. Page 0 is the null page that padding points at; it is never handed out.
+- Tokens are only ever appended. A page records how far it has been written
+  (`written`); a table may append in place into its last page only if nothing was written
+  there past its own end. Otherwise — another frontier grew from the same partial page, a
+  retry of a fork point whose live session moved on — the partial page is copied into a
+  fresh one first (a `Copy` for the step to carry out), so no frontier ever changes rows
+  another one reads. A full page is never written again, so sharing it needs no copy.
+- Growing asks for every page it needs before changing anything: when the pool is short
+  it raises `OutOfPages` and the pool is as it was.
+- `written` only rises while a page is held (a table that grew in place and was then
+  dropped leaves the mark where it was): a later append from an older table then copies
+  the page, which is always correct, at worst one page's copy more than needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PAGE_TOKENS = 256
+NULL_PAGE = 0
+
+
+def pages_for(tokens: int) -> int:
+    """Pages a frontier of `tokens` tokens holds."""
+    return -(-tokens // PAGE_TOKENS)
+
+
+class OutOfPages(RuntimeError):
+    """The pool cannot give the pages asked for; nothing was changed."""
+
+    def __init__(self, wanted: int, free: int) -> None:
+        super().__init__(f"{wanted} pages wanted, {free} free")
+        self.wanted = wanted
+        self.free = free
+
+
+@dataclass(frozen=True)
+class PageTable:
+    """The pages of one frontier, in token order; the last one may be partly filled."""
+
+    pages: tuple[int, ...] = ()
+    tokens: int = 0
+
+    def padded(self, width: int) -> list[int]:
+        """The table as the step reads it: `width` entries, the unused ones the null page."""
+        if len(self.pages) > width:
+            raise ValueError(f"a table of {len(self.pages)} pages does not fit {width}")
+        return [*self.pages, *([NULL_PAGE] * (width - len(self.pages)))]
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Copy page `src`'s first `tokens` tokens' rows into page `dst` (before appending)."""
+
+    src: int
+    dst: int
+    tokens: int
+
+
+@dataclass
+class PagePool:
+    """Reference counts, the free list and each page's written length for `num_pages`
+    pages (page 0, the null page, included)."""
+
+    num_pages: int
+    refs: list[int] = field(init=False)
+    written: list[int] = field(init=False)
+    _free: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.num_pages < 2:
+            raise ValueError("a pool needs the null page and at least one page")
+        self.refs = [0] * self.num_pages
+        self.written = [0] * self.num_pages
+        self._free = list(range(self.num_pages - 1, NULL_PAGE, -1))  # pop() gives 1 first
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def used(self) -> int:
+        return self.num_pages - 1 - len(self._free)
+
+    def hold(self, table: PageTable) -> PageTable:
+        """One more holder of `table` (a frontier retained twice: a fork point and a live
+        session at the same tokens)."""
+        for p in table.pages:
+            assert self.refs[p] > 0, f"page {p} is not held"
+            self.refs[p] += 1
+        return table
+
+    def release(self, table: PageTable) -> None:
+        for p in table.pages:
+            assert self.refs[p] > 0, f"page {p} released more often than held"
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self.written[p] = 0
+                self._free.append(p)
+
+    def grow(self, table: PageTable, tokens: int) -> tuple[PageTable, list[Copy]]:
+        """A new table holding `table`'s tokens and `tokens` more, and the copies to make
+        before the step writes the new rows. `table` stays valid and held as it was; the
+        new table holds its own references."""
+        if tokens < 0:
+            raise ValueError("tokens are only appended")
+        n, end = table.tokens, table.tokens + tokens
+        keep = list(table.pages)
+        copies: list[Copy] = []
+        fill = n % PAGE_TOKENS
+        tail_shared = bool(fill and tokens and self.written[keep[-1]] != fill)
+        need = pages_for(end) - len(keep) + (1 if tail_shared else 0)
+        if need > len(self._free):
+            raise OutOfPages(need, len(self._free))
+        if tail_shared:  # someone appended past our end in that page: write into a copy
+            fresh = self._free.pop()
+            copies.append(Copy(keep[-1], fresh, fill))
+            self.written[fresh] = fill
+            keep[-1] = fresh
+            self.refs[fresh] = 0  # counted with the others below
+        while len(keep) < pages_for(end):
+            keep.append(self._free.pop())
+        for p in keep:
+            self.refs[p] += 1
+        for i, p in enumerate(keep):  # how far each page is written once the step ran
+            last = min(end - i * PAGE_TOKENS, PAGE_TOKENS)
+            if last > 0:
+                self.written[p] = max(self.written[p], last)
+        return PageTable(tuple(keep), end), copies
+
+    def new(self, tokens: int) -> PageTable:
+        """A table for a frontier of `tokens` tokens from nothing (a cold prefill)."""
+        table, copies = self.grow(PageTable(), tokens)
+        assert not copies
+        return table

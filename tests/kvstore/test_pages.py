@@ -1,0 +1,154 @@
+"""The page pool's bookkeeping (`ds4jax.kvstore.pages`) without a model: random
+interleavings of new frontiers, growth from any retained frontier (the live session moving
+on, a retry of a fork point, a sub-agent on a shared prefix), extra holders and releases,
+against page contents simulated here the way the step would write them."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from ds4jax.kvstore.pages import NULL_PAGE, PAGE_TOKENS, OutOfPages, PagePool, PageTable, pages_for
+
+
+def test_pages_for_counts_partial_pages() -> None:
+    assert [pages_for(n) for n in (0, 1, 255, 256, 257, 512, 513)] == [0, 1, 1, 1, 2, 2, 3]
+
+
+def test_a_fork_shares_full_pages_and_copies_only_its_partial_last_page() -> None:
+    pool = PagePool(16)
+    prompt = pool.new(600)  # two full pages and 88 tokens of a third
+    assert len(prompt.pages) == 3 and pool.used == 3
+    live, copies = pool.grow(prompt, 40)  # the session moves on: appends in place
+    assert copies == [] and live.pages == prompt.pages and pool.used == 3
+    retry, copies = pool.grow(prompt, 10)  # a retry of the prompt end: live wrote past it
+    assert retry.pages[:2] == prompt.pages[:2] and retry.pages[2] != prompt.pages[2]
+    assert copies and copies[0].src == prompt.pages[2] and copies[0].tokens == 600 - 512
+    assert pool.used == 4  # one page more, not a copy of the frontier
+    assert [pool.refs[p] for p in prompt.pages] == [3, 3, 2]
+    for t in (prompt, live, retry):
+        pool.release(t)
+    assert pool.used == 0 and pool.free == 15
+
+
+def test_growing_past_the_pool_changes_nothing() -> None:
+    pool = PagePool(4)  # three usable pages
+    a = pool.new(2 * PAGE_TOKENS + 1)
+    before = (list(pool.refs), list(pool.written), pool.free)
+    with pytest.raises(OutOfPages) as info:
+        pool.grow(a, PAGE_TOKENS)
+    assert info.value.wanted == 1 and info.value.free == 0
+    assert (list(pool.refs), list(pool.written), pool.free) == before
+
+
+def test_the_null_page_pads_tables_and_is_never_handed_out() -> None:
+    pool = PagePool(3)
+    t = pool.new(300)
+    assert NULL_PAGE not in t.pages and t.padded(4) == [*t.pages, NULL_PAGE, NULL_PAGE]
+    with pytest.raises(ValueError):
+        t.padded(1)
+    with pytest.raises(ValueError):
+        PagePool(1)
+
+
+class Frontiers(RuleBasedStateMachine):
+    """Each retained frontier is a table plus the token values it holds; the pages' contents
+    are simulated as the step writes them: copies first, then the new tokens at their slots.
+    Reading a frontier back through its table must give exactly its tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = PagePool(24)
+        self.data: dict[int, list[int | None]] = {}  # page → token value at each slot
+        self.frontiers: list[tuple[PageTable, list[int]]] = []
+        self.next_value = 0
+
+    def _write(self, table: PageTable, values: list[int], start: int) -> None:
+        for pos in range(start, table.tokens):
+            page = table.pages[pos // PAGE_TOKENS]
+            self.data.setdefault(page, [None] * PAGE_TOKENS)[pos % PAGE_TOKENS] = values[pos]
+
+    def _values(self, n: int) -> list[int]:
+        self.next_value += n
+        return list(range(self.next_value - n, self.next_value))
+
+    @rule(tokens=st.integers(0, 700))
+    def new(self, tokens: int) -> None:
+        try:
+            table = self.pool.new(tokens)
+        except OutOfPages:
+            return
+        values = self._values(tokens)
+        self._write(table, values, 0)
+        self.frontiers.append((table, values))
+
+    @precondition(lambda self: self.frontiers)
+    @rule(data=st.data(), tokens=st.integers(0, 300))
+    def grow(self, data: st.DataObject, tokens: int) -> None:
+        i = data.draw(st.integers(0, len(self.frontiers) - 1))
+        table, values = self.frontiers[i]
+        try:
+            grown, copies = self.pool.grow(table, tokens)
+        except OutOfPages:
+            return
+        # only a partial last page is ever copied, never a full one
+        assert len(copies) <= 1 and all(0 < c.tokens < PAGE_TOKENS for c in copies)
+        for c in copies:
+            src = self.data.get(c.src, [None] * PAGE_TOKENS)
+            self.data[c.dst] = [*src[: c.tokens], *([None] * (PAGE_TOKENS - c.tokens))]
+        new_values = [*values, *self._values(tokens)]
+        self._write(grown, new_values, table.tokens)
+        self.frontiers.append((grown, new_values))
+
+    @precondition(lambda self: self.frontiers)
+    @rule(data=st.data())
+    def hold_again(self, data: st.DataObject) -> None:
+        table, values = data.draw(st.sampled_from(self.frontiers))
+        self.frontiers.append((self.pool.hold(table), values))
+
+    @precondition(lambda self: self.frontiers)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        i = data.draw(st.integers(0, len(self.frontiers) - 1))
+        table, _ = self.frontiers.pop(i)
+        self.pool.release(table)
+
+    @invariant()
+    def every_frontier_reads_its_own_tokens(self) -> None:
+        for table, values in self.frontiers:
+            assert len(table.pages) == pages_for(table.tokens)
+            got = [self.data[table.pages[p // PAGE_TOKENS]][p % PAGE_TOKENS]
+                   for p in range(table.tokens)]  # fmt: skip
+            assert got == values
+
+    @invariant()
+    def a_page_is_free_exactly_when_nothing_holds_it(self) -> None:
+        held: dict[int, int] = {}
+        for table, _ in self.frontiers:
+            for p in table.pages:
+                held[p] = held.get(p, 0) + 1
+        assert NULL_PAGE not in held and self.pool.refs[NULL_PAGE] == 0
+        assert {p: r for p, r in enumerate(self.pool.refs) if r} == held
+        assert self.pool.used == len(held)
+        assert set(self.pool._free).isdisjoint(held)
+
+
+Frontiers.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+test_frontiers = Frontiers.TestCase
+
+
+@given(st.lists(st.integers(1, 400), min_size=1, max_size=8))
+@settings(max_examples=50, deadline=None)
+def test_a_live_session_growing_turn_by_turn_holds_its_tokens_pages(turns: list[int]) -> None:
+    """The live session moving on and dropping its previous frontier holds exactly the
+    pages its tokens need: memory follows the tokens, not a capacity."""
+    pool = PagePool(64)
+    table = pool.new(0)
+    for n in turns:
+        grown, copies = pool.grow(table, n)
+        assert copies == []  # nothing else appended past its end
+        pool.release(table)
+        table = grown
+        assert pool.used == pages_for(table.tokens)
