@@ -27,15 +27,39 @@ def fp8sim(x: jnp.ndarray, block: int = 64) -> jnp.ndarray:
     """Blocks of `block` along the last axis: s = 2^ceil(log2(max(|b|,1e-4)/448)),
     x ← E4M3(clamp(x/s, ±448))·s. A trailing partial block (small test configs only; V4's
     448 channels are 7 blocks) is its own block: zero padding cannot change its amax."""
+    return fp8_decode(*fp8_encode(x, block), block).astype(x.dtype)
+
+
+#: the UE8M0 byte of a scale 2^e is e + 127 (the release's E8M0 exponent bias)
+E8M0_BIAS = 127
+
+
+def fp8_encode(x: jnp.ndarray, block: int = 64) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """`fp8sim`'s values as the release stores them: E4M3 codes (`x`'s shape) and one UE8M0
+    byte per block of the last axis (`[..., ceil(n / block)]`), the scale's exponent."""
     shape = x.shape
     pad = -shape[-1] % block
     if pad:
         x = jnp.concatenate([x, jnp.zeros((*shape[:-1], pad), x.dtype)], axis=-1)
     xb = x.reshape(*shape[:-1], x.shape[-1] // block, block)
     amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), 1e-4)
-    s = _pow2_ceil_scale(amax, 448.0)
-    q = fp8_e4m3_round(jnp.clip(xb / s, -448.0, 448.0)) * s
-    return q.reshape(*shape[:-1], -1)[..., : shape[-1]]
+    e = jnp.ceil(jnp.log2(amax / 448.0))
+    codes = jnp.clip(xb / jnp.exp2(e), -448.0, 448.0).astype(jnp.float8_e4m3fn)
+    exps = (e[..., 0] + E8M0_BIAS).astype(jnp.uint8)
+    return codes.reshape(*shape[:-1], -1)[..., : shape[-1]], exps
+
+
+def fp8_decode(codes: jnp.ndarray, exps: jnp.ndarray, block: int = 64) -> jnp.ndarray:
+    """The float32 values of `fp8_encode`'s codes and scale bytes (exact: a code times a
+    power of two)."""
+    shape = codes.shape
+    q = codes.astype(jnp.float32)
+    pad = -shape[-1] % block
+    if pad:
+        q = jnp.concatenate([q, jnp.zeros((*shape[:-1], pad), q.dtype)], axis=-1)
+    qb = q.reshape(*shape[:-1], q.shape[-1] // block, block)
+    s = jnp.exp2(exps.astype(jnp.float32) - E8M0_BIAS)[..., None]
+    return (qb * s).reshape(*shape[:-1], -1)[..., : shape[-1]]
 
 
 def hadamard(x: jnp.ndarray) -> jnp.ndarray:

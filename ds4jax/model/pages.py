@@ -1,0 +1,170 @@
+"""The device side of paged state (issue 26): the per-layer page arrays in each state
+dtype, and the small per-session part — shapes only, so that what a page and a session
+cost is counted on the arrays the pool will hold, never by a formula kept beside them.
+
+A page (`kvstore.pages.PAGE_TOKENS` = 256 tokens) holds, per compressed layer, the rows
+those tokens complete: 256 / ratio rows (64 for CSA, 2 for HCA), and for CSA layers as many
+indexer rows. `--state-dtype`:
+- `f32`, `bf16`: a row is `head_dim` values of that dtype (indexer rows `index_head_dim`);
+- `fp8`: the release's record, as vLLM (`fp8_ds_mla`) and SGLang store it — the
+  `head_dim - rope_dim` non-RoPE values as FP8 E4M3 with one UE8M0 (power-of-two exponent)
+  byte per 64 of them, padded to 8 bytes, and the `rope_dim` RoPE values in BF16: 584 B a
+  row at Flash's 512 dims; indexer keys FP8 with one f32 scale per row (132 B).
+
+The per-session part is what does not grow with the context: the sliding-window ring (in
+the state dtype, as rows of the same record), the compressors' frontiers (f32: they are
+sums in progress, not rows), the next-token logits and the position. The window ring and
+the compressor frontiers get `REWIND` extra positions, the room a frontier needs to step
+back over rejected draft tokens by resetting its length (`speculative-decoding.md`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ds4jax.config import Config
+from ds4jax.kvstore.pages import PAGE_TOKENS
+from ds4jax.model.quant_sim import fp8_decode, fp8_encode
+from ds4jax.model.state import overlap
+
+STATE_DTYPES = ("f32", "bf16", "fp8")
+PLAIN = {"f32": jnp.float32, "bf16": jnp.bfloat16}  # rows stored as plain values
+#: values per UE8M0 scale byte in an fp8 record (the release's quantization group)
+FP8_GROUP = 64
+#: positions a frontier can step back (draft verification), room in its rings
+REWIND = 4
+
+
+def _rows(lead: tuple[int, ...], width: int, rope: int, dtype: str) -> dict[str, Any]:
+    """`lead` rows of `width` values (the last `rope` of them RoPE dims) as `dtype` stores
+    them."""
+    if dtype == "fp8":
+        nope = width - rope
+        scales = -(-math.ceil(nope / FP8_GROUP) // 8) * 8  # padded to whole 8 bytes
+        return {
+            "nope": jnp.zeros((*lead, nope), jnp.float8_e4m3fn),
+            "scale": jnp.zeros((*lead, scales), jnp.uint8),
+            "rope": jnp.zeros((*lead, rope), jnp.bfloat16),
+        }
+    return {"value": jnp.zeros((*lead, width), PLAIN[dtype])}
+
+
+def _index_rows(lead: tuple[int, ...], width: int, dtype: str) -> dict[str, Any]:
+    if dtype == "fp8":
+        return {"key": jnp.zeros((*lead, width), jnp.float8_e4m3fn),
+                "scale": jnp.zeros(lead, jnp.float32)}  # fmt: skip
+    return _rows(lead, width, 0, dtype)
+
+
+def encode_rows(rows: jax.Array, rope: int, dtype: str) -> dict[str, jax.Array]:
+    """Float32 rows (`[..., width]`, the last `rope` dims RoPE) in `_rows`' layout: the same
+    quantizer as the model's FP8 simulation (`quant_sim.fp8_encode`), so rows the official
+    graph produced (`Config.quant_sim` on) keep their non-RoPE values exactly."""
+    if dtype != "fp8":
+        return {"value": rows.astype(PLAIN[dtype])}
+    nope = rows.shape[-1] - rope
+    codes, exps = fp8_encode(rows[..., :nope], FP8_GROUP)
+    pad = -exps.shape[-1] % 8
+    exps = jnp.concatenate([exps, jnp.zeros((*exps.shape[:-1], pad), jnp.uint8)], axis=-1)
+    return {"nope": codes, "scale": exps, "rope": rows[..., nope:].astype(jnp.bfloat16)}
+
+
+def decode_rows(stored: dict[str, jax.Array]) -> jax.Array:
+    """The float32 rows `encode_rows` stored."""
+    if "value" in stored:
+        return stored["value"].astype(jnp.float32)
+    nope = stored["nope"]
+    exps = stored["scale"][..., : math.ceil(nope.shape[-1] / FP8_GROUP)]
+    return jnp.concatenate(
+        [fp8_decode(nope, exps, FP8_GROUP), stored["rope"].astype(jnp.float32)], axis=-1
+    )
+
+
+def encode_index_rows(rows: jax.Array, dtype: str) -> dict[str, jax.Array]:
+    """Indexer rows in `_index_rows`' layout; fp8: E4M3 with one float32 scale per row
+    (amax / 448), the release's indexer key cache."""
+    if dtype != "fp8":
+        return encode_rows(rows, 0, dtype)
+    scale = jnp.maximum(jnp.max(jnp.abs(rows), axis=-1), 1e-12) / 448.0
+    return {"key": (rows / scale[..., None]).astype(jnp.float8_e4m3fn), "scale": scale}
+
+
+def decode_index_rows(stored: dict[str, jax.Array]) -> jax.Array:
+    if "value" in stored:
+        return decode_rows(stored)
+    return stored["key"].astype(jnp.float32) * stored["scale"][..., None]
+
+
+def _check(dtype: str) -> None:
+    if dtype not in STATE_DTYPES:
+        raise ValueError(f"state dtype must be one of {', '.join(STATE_DTYPES)}, not {dtype!r}")
+
+
+def page_arrays(cfg: Config, num_pages: int, dtype: str) -> list[dict[str, Any] | None]:
+    """Per layer, the page arrays of a pool of `num_pages` pages (None for a layer with no
+    compressed rows): `comp` rows, and for CSA layers `idx` rows, each `[pages, rows]`."""
+    _check(dtype)
+    out: list[dict[str, Any] | None] = []
+    for i in range(cfg.num_layers):
+        kind = cfg.layer_kind(i)
+        if kind == "sliding":
+            out.append(None)
+            continue
+        rows = PAGE_TOKENS // cfg.compress_ratios[i]
+        layer = {"comp": _rows((num_pages, rows), cfg.head_dim, cfg.rope_dim, dtype)}
+        if kind == "csa":
+            layer["idx"] = _index_rows((num_pages, rows), cfg.index_head_dim, dtype)
+        out.append(layer)
+    return out
+
+
+def session_arrays(cfg: Config, dtype: str) -> dict[str, Any]:
+    """The per-session part of a frontier: window rings, compressor frontiers, logits."""
+    _check(dtype)
+    layers = []
+    for i in range(cfg.num_layers):
+        ring = cfg.sliding_window + REWIND
+        layer: dict[str, Any] = {"raw": _rows((ring,), cfg.head_dim, cfg.rope_dim, dtype)}
+        kind = cfg.layer_kind(i)
+        if kind != "sliding":
+            r, c = cfg.compress_ratios[i], overlap(cfg, i)
+            shape = (c * r + REWIND, c * cfg.head_dim)
+            layer["comp_kv"] = jnp.zeros(shape, jnp.float32)
+            layer["comp_score"] = jnp.zeros(shape, jnp.float32)
+            if kind == "csa":
+                shape = (2 * r + REWIND, 2 * cfg.index_head_dim)
+                layer["idx_kv"] = jnp.zeros(shape, jnp.float32)
+                layer["idx_score"] = jnp.zeros(shape, jnp.float32)
+        layers.append(layer)
+    return {"layers": layers, "logits": jnp.zeros((cfg.vocab_size,), jnp.float32),
+            "pos": jnp.zeros((), jnp.int32)}  # fmt: skip
+
+
+def _nbytes(make: Any) -> int:
+    shapes = jax.eval_shape(make)
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+def page_bytes(cfg: Config, dtype: str) -> int:
+    """Bytes one page takes over every layer (nothing is allocated)."""
+    return _nbytes(lambda: page_arrays(cfg, 1, dtype))
+
+
+def bytes_per_token(cfg: Config, dtype: str) -> float:
+    return page_bytes(cfg, dtype) / PAGE_TOKENS
+
+
+def session_bytes(cfg: Config, dtype: str) -> int:
+    """Bytes of a frontier's per-session part, whatever its length."""
+    return _nbytes(lambda: session_arrays(cfg, dtype))
+
+
+def record_bytes(cfg: Config, dtype: str) -> tuple[int, int]:
+    """(bytes of one compressed row, of one indexer row) in `dtype`."""
+    comp = _nbytes(lambda: _rows((1,), cfg.head_dim, cfg.rope_dim, dtype))
+    return comp, _nbytes(lambda: _index_rows((1,), cfg.index_head_dim, dtype))
