@@ -184,7 +184,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise
         cfg = load_config(hub.config_file(args.config, args.revision, args.download_dir))
     kw = dict(devices=args.devices, hbm_gb=args.hbm_gb, ctx=args.ctx, sessions=args.sessions,
-              weights=args.weights, max_batch=args.max_batch, reserve=args.reserve)  # fmt: skip
+              weights=args.weights, max_batch=args.max_batch, reserve=args.reserve,
+              paged=args.paged_state)  # fmt: skip
     plans = plan(cfg, **kw)
     if args.json:
         print(json.dumps({"config": args.config, **kw, "plans": as_json(plans)}))
@@ -337,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of each device kept for activations and XLA (default 0.1)",
     )
     sp.add_argument("--json", action="store_true", help="one JSON object, every mesh")
+    sp.add_argument("--paged-state", choices=["f32", "bf16", "fp8"], default=None,
+                    help="count states as paged state in this dtype will hold them (issue 26, "
+                    "not yet served) instead of today's fixed-capacity f32")  # fmt: skip
     add_hub_options(sp)
     sp.set_defaults(func=cmd_plan)
 

@@ -11,6 +11,13 @@ States are counted as the engine keeps them today: f32, replicated on every devi
 session's live frontier and fork points under the default state budget (two states per
 session), the batch's `max_batch` rows, and the engine's empty template state. A
 `--reserve` share of each device is left for activations and XLA's workspace.
+
+`--paged-state DTYPE` counts them instead as paged state will hold them (issue 26; not yet
+what `ds4jax serve` holds): a session at the context's length holds its pages and one
+per-session part (`model.pages`, in that dtype); its fork point shares the full pages and
+adds at most its partial page and a per-session part; batch rows hold no copies, only the
+per-session parts they move. Either way `sessions_fit` is how many sessions of that length
+(each with its fork point) the room left after the weights and the batch holds.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from dataclasses import asdict, dataclass
 import jax
 
 from ds4jax.config import Config
+from ds4jax.kvstore.pages import pages_for
+from ds4jax.model import pages
 from ds4jax.model.official import leaf_kind, stored_bytes
 from ds4jax.model.params import param_shapes, path_name
 from ds4jax.model.sharding import EXPERT_AXIS, TENSOR_AXIS, mesh_axes
@@ -57,6 +66,12 @@ class MeshPlan:
     states_bytes: int  # retained: sessions and fork points
     batch_bytes: int  # the batch rows and the empty template state
     usable_bytes: int
+    session_bytes: int = 0  # one more session at the context's length, with its fork point
+
+    @property
+    def sessions_fit(self) -> int:
+        room = self.usable_bytes - self.weights_bytes - self.batch_bytes
+        return max(0, room // self.session_bytes) if self.session_bytes else 0
 
     @property
     def total_bytes(self) -> int:
@@ -69,47 +84,62 @@ class MeshPlan:
 
 def plan(
     cfg: Config, *, devices: int, hbm_gb: float, ctx: int, sessions: int, weights: str,
-    max_batch: int = 8, reserve: float = 0.1,
+    max_batch: int = 8, reserve: float = 0.1, paged: str | None = None,
 ) -> list[MeshPlan]:  # fmt: skip
     """Every expert×tensor factorisation of `devices`, the one it would use first: the
-    smallest per-device footprint, then the most expert parallelism (fewer all-reduces)."""
+    smallest per-device footprint, then the most expert parallelism (fewer all-reduces).
+    `paged`: count states as paged state in that dtype (module docstring)."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}")
     if devices < 1 or sessions < 1 or ctx < 1 or not 0 <= reserve < 1:
         raise ValueError("devices, sessions and ctx must be positive, reserve in [0, 1)")
-    state = capacity_bytes(cfg, ctx)
+    if paged is None:
+        state = capacity_bytes(cfg, ctx)
+        per_session, batch = STATES_PER_SESSION * state, (max_batch + 1) * state
+    else:
+        page, part = pages.page_bytes(cfg, paged), pages.session_bytes(cfg, paged)
+        per_session = pages_for(ctx) * page + part + (page + part)  # + its fork point
+        batch = max_batch * part
     usable = int(hbm_gb * GB * (1 - reserve))
     out = []
     for expert in (d for d in range(1, devices + 1) if devices % d == 0):
         tensor = devices // expert
         out.append(MeshPlan(expert, tensor, weight_bytes_per_device(cfg, expert, tensor, weights),
-                            STATES_PER_SESSION * sessions * state, (max_batch + 1) * state,
-                            usable))  # fmt: skip
+                            sessions * per_session, batch, usable, per_session))  # fmt: skip
     return sorted(out, key=lambda p: (p.total_bytes, -p.expert))
 
 
 def describe(name: str, plans: list[MeshPlan], *, devices: int, hbm_gb: float, ctx: int,
-             sessions: int, weights: str, max_batch: int, reserve: float) -> str:  # fmt: skip
+             sessions: int, weights: str, max_batch: int, reserve: float,
+             paged: str | None = None) -> str:  # fmt: skip
     best = plans[0]
     gb = lambda b: f"{b / GB:,.2f} GB"  # noqa: E731
+    if paged is None:
+        kind = "states f32 as served today"
+        held = f"{STATES_PER_SESSION * sessions} states: live frontiers and fork points"
+        rows = f"{max_batch} rows + the empty state"
+    else:
+        kind = f"paged {paged} states (issue 26: not yet what `ds4jax serve` holds)"
+        held = f"{sessions} sessions' pages and fork points"
+        rows = f"{max_batch} rows' per-session parts"
     lines = [
         f"{name}: {devices} device(s) × {hbm_gb:g} GB, context {ctx:,}, {sessions} "
-        f"session(s), weights {weights}, batches of up to {max_batch}",
+        f"session(s), weights {weights}, batches of up to {max_batch}, {kind}",
         f"mesh: expert={best.expert},tensor={best.tensor}",
         f"per device: weights {gb(best.weights_bytes)}; session states "
-        f"{gb(best.states_bytes)} ({STATES_PER_SESSION * sessions} states: live frontiers "
-        f"and fork points); batch {gb(best.batch_bytes)} ({max_batch} rows + the empty "
-        f"state); total {gb(best.total_bytes)} of {gb(best.usable_bytes)} usable "
-        f"({reserve:.0%} reserved)",
+        f"{gb(best.states_bytes)} ({held}); batch {gb(best.batch_bytes)} ({rows}); total "
+        f"{gb(best.total_bytes)} of {gb(best.usable_bytes)} usable ({reserve:.0%} reserved)",
         f"fits: {'yes' if best.fits else 'no'}",
         "",
-        "expert×tensor   weights/device   total/device   fits",
+        f"expert×tensor   weights/device   total/device   fits   sessions of {ctx:,} that fit",
     ]
     for p in plans:
         lines.append(f"{p.expert:>6}×{p.tensor:<6} {gb(p.weights_bytes):>16} "
-                     f"{gb(p.total_bytes):>14}   {'yes' if p.fits else 'no'}")  # fmt: skip
+                     f"{gb(p.total_bytes):>14}   {'yes' if p.fits else 'no':<4}   "
+                     f"{p.sessions_fit}")  # fmt: skip
     return "\n".join(lines)
 
 
 def as_json(plans: list[MeshPlan]) -> list[dict[str, object]]:
-    return [{**asdict(p), "total_bytes": p.total_bytes, "fits": p.fits} for p in plans]
+    return [{**asdict(p), "total_bytes": p.total_bytes, "fits": p.fits,
+             "sessions_fit": p.sessions_fit} for p in plans]  # fmt: skip
