@@ -1,0 +1,106 @@
+"""A frontier's rows through the page arrays and back (`ds4jax.model.page_io`), on states a
+tiny model's prefill and decode really produced: stored whole, shared with a session that
+moved on, copied for a retry — each materializes to its own dense state, unchanged by
+what the others wrote."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from ds4jax.config import load_config
+from ds4jax.kvstore.pages import PagePool, PageTable
+from ds4jax.model import page_io, pages
+from ds4jax.model.forward import prefill
+from ds4jax.model.params import init_params
+from ds4jax.model.state import init_state
+
+CFG = load_config("tiny")
+MAX_LEN = 1024
+CHUNKS = (64, 256)
+
+
+@pytest.fixture(scope="module")
+def states() -> dict[str, object]:
+    """A 600-token prompt's state, the live session 300 tokens further, a retry 50 tokens
+    past the prompt (other tokens), each a dense state of the same capacity."""
+    params = init_params(CFG, 0)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(10, CFG.vocab_size, 600)
+    empty = init_state(CFG, MAX_LEN)
+    at_prompt, _ = prefill(params, empty, prompt, CFG, chunk_sizes=CHUNKS)
+    live, _ = prefill(params, at_prompt, rng.integers(10, CFG.vocab_size, 300), CFG,
+                      chunk_sizes=CHUNKS)  # fmt: skip
+    retry, _ = prefill(params, at_prompt, rng.integers(10, CFG.vocab_size, 50), CFG,
+                       chunk_sizes=CHUNKS)  # fmt: skip
+    return {"prompt": at_prompt, "live": live, "retry": retry}
+
+
+def same(a: object, b: object) -> bool:
+    return all(
+        np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def test_shared_pages_give_each_frontier_its_own_state(states) -> None:
+    pool = PagePool(16)
+    arrays = pages.page_arrays(CFG, pool.num_pages, "f32")
+    prompt = pool.new(600)
+    arrays = page_io.write(arrays, states["prompt"], prompt, CFG, "f32")
+    p_front = page_io.PagedFrontier(prompt, page_io.small_part(states["prompt"]))
+    assert same(page_io.materialize(arrays, p_front, CFG, MAX_LEN), states["prompt"])
+
+    # the live session moves on in place (its prompt's pages shared, the tail appended)
+    live, copies = pool.grow(prompt, 300)
+    assert copies == [] and live.pages[:3] == prompt.pages
+    arrays = page_io.write(arrays, states["live"], live, CFG, "f32", first=600 // 256)
+    l_front = page_io.PagedFrontier(live, page_io.small_part(states["live"]))
+    # a retry of the prompt end: the tail page was written past 600, so it is copied
+    retry, copies = pool.grow(prompt, 50)
+    assert len(copies) == 1 and retry.pages[:2] == prompt.pages[:2]
+    arrays = page_io.copy(arrays, copies)
+    # the copy alone holds the prompt's rows of that page: the retry's table at the prompt's
+    # length is the prompt
+    copied = page_io.PagedFrontier(PageTable(retry.pages, 600), p_front.small)
+    assert same(page_io.materialize(arrays, copied, CFG, MAX_LEN), states["prompt"])
+    arrays = page_io.write(arrays, states["retry"], retry, CFG, "f32", first=600 // 256)
+    r_front = page_io.PagedFrontier(retry, page_io.small_part(states["retry"]))
+    assert pool.used == 5  # 3 + 1 for the live session + 1 copy: not three frontiers' worth
+    for front, name in ((p_front, "prompt"), (l_front, "live"), (r_front, "retry")):
+        assert same(page_io.materialize(arrays, front, CFG, MAX_LEN), states[name]), name
+    # materialized into another capacity that holds the tokens, the rows are the same
+    wide = page_io.materialize(arrays, p_front, CFG, 2048)
+    for i, ls in enumerate(wide.layers):
+        if ls.comp is not None:
+            n = 600 // CFG.compress_ratios[i]
+            assert np.array_equal(
+                np.asarray(ls.comp[:n]), np.asarray(states["prompt"].layers[i].comp[:n])
+            )
+    with pytest.raises(ValueError):
+        page_io.materialize(arrays, l_front, CFG, 512)
+
+
+def test_fp8_pages_keep_the_models_rows_but_their_rope_dims(states) -> None:
+    """In fp8 pages a frontier comes back with its non-RoPE row values exact (the model
+    simulated FP8 on them already), its RoPE dims as BF16 and its indexer rows within E4M3
+    rounding; the small part is untouched."""
+    pool = PagePool(8)
+    arrays = pages.page_arrays(CFG, pool.num_pages, "fp8")
+    table = pool.new(600)
+    arrays = page_io.write(arrays, states["prompt"], table, CFG, "fp8")
+    got = page_io.materialize(
+        arrays, page_io.PagedFrontier(table, page_io.small_part(states["prompt"])), CFG, MAX_LEN
+    )
+    nope = CFG.head_dim - CFG.rope_dim
+    for i, (g, w) in enumerate(zip(got.layers, states["prompt"].layers, strict=True)):
+        assert np.array_equal(np.asarray(g.raw), np.asarray(w.raw))
+        if w.comp is None:
+            continue
+        gc, wc = np.asarray(g.comp), np.asarray(w.comp)
+        assert np.array_equal(gc[:, :nope], wc[:, :nope]), i
+        assert np.allclose(gc[:, nope:], wc[:, nope:], rtol=2**-8, atol=0)
+        if w.idx is not None:
+            gi, wi = np.asarray(g.idx), np.asarray(w.idx)
+            assert np.allclose(gi, wi, rtol=2**-4, atol=np.abs(wi).max() * 2**-10)
