@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from ds4jax.config import Config, Yarn
@@ -37,3 +38,30 @@ def small_config(**overrides) -> Config:
 @pytest.fixture(scope="session")
 def small_cfg() -> Config:
     return small_config()
+
+
+#: the tiny model's states the paged-state tests store and read back (`paged_states`)
+PAGED_MAX_LEN = 1024
+PAGED_CHUNKS = (64, 256)
+
+
+@pytest.fixture(scope="session")
+def paged_states() -> dict[str, object]:
+    """A 600-token prompt's state, the live session 300 tokens further, a retry 50 tokens
+    past the prompt (other tokens), each a dense state of the same capacity."""
+    from ds4jax.config import load_config
+    from ds4jax.model.forward import prefill
+    from ds4jax.model.params import init_params
+    from ds4jax.model.state import init_state
+
+    cfg = load_config("tiny")
+    params = init_params(cfg, 0)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(10, cfg.vocab_size, 600)
+    empty = init_state(cfg, PAGED_MAX_LEN)
+    at_prompt, _ = prefill(params, empty, prompt, cfg, chunk_sizes=PAGED_CHUNKS)
+    live, _ = prefill(params, at_prompt, rng.integers(10, cfg.vocab_size, 300), cfg,
+                      chunk_sizes=PAGED_CHUNKS)  # fmt: skip
+    retry, _ = prefill(params, at_prompt, rng.integers(10, cfg.vocab_size, 50), cfg,
+                       chunk_sizes=PAGED_CHUNKS)  # fmt: skip
+    return {"prompt": at_prompt, "live": live, "retry": retry}

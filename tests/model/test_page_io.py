@@ -12,29 +12,9 @@ import pytest
 from ds4jax.config import load_config
 from ds4jax.kvstore.pages import PagePool, PageTable
 from ds4jax.model import page_io, pages
-from ds4jax.model.forward import prefill
-from ds4jax.model.params import init_params
-from ds4jax.model.state import init_state
+from tests.model.conftest import PAGED_MAX_LEN as MAX_LEN
 
 CFG = load_config("tiny")
-MAX_LEN = 1024
-CHUNKS = (64, 256)
-
-
-@pytest.fixture(scope="module")
-def states() -> dict[str, object]:
-    """A 600-token prompt's state, the live session 300 tokens further, a retry 50 tokens
-    past the prompt (other tokens), each a dense state of the same capacity."""
-    params = init_params(CFG, 0)
-    rng = np.random.default_rng(1)
-    prompt = rng.integers(10, CFG.vocab_size, 600)
-    empty = init_state(CFG, MAX_LEN)
-    at_prompt, _ = prefill(params, empty, prompt, CFG, chunk_sizes=CHUNKS)
-    live, _ = prefill(params, at_prompt, rng.integers(10, CFG.vocab_size, 300), CFG,
-                      chunk_sizes=CHUNKS)  # fmt: skip
-    retry, _ = prefill(params, at_prompt, rng.integers(10, CFG.vocab_size, 50), CFG,
-                       chunk_sizes=CHUNKS)  # fmt: skip
-    return {"prompt": at_prompt, "live": live, "retry": retry}
 
 
 def same(a: object, b: object) -> bool:
@@ -44,7 +24,8 @@ def same(a: object, b: object) -> bool:
     )
 
 
-def test_shared_pages_give_each_frontier_its_own_state(states) -> None:
+def test_shared_pages_give_each_frontier_its_own_state(paged_states) -> None:
+    states = paged_states
     pool = PagePool(16)
     arrays = pages.page_arrays(CFG, pool.num_pages, "f32")
     prompt = pool.new(600)
@@ -82,19 +63,20 @@ def test_shared_pages_give_each_frontier_its_own_state(states) -> None:
         page_io.materialize(arrays, l_front, CFG, 512)
 
 
-def test_fp8_pages_keep_the_models_rows_but_their_rope_dims(states) -> None:
+def test_fp8_pages_keep_the_models_rows_but_their_rope_dims(paged_states) -> None:
     """In fp8 pages a frontier comes back with its non-RoPE row values exact (the model
     simulated FP8 on them already), its RoPE dims as BF16 and its indexer rows within E4M3
     rounding; the small part is untouched."""
     pool = PagePool(8)
     arrays = pages.page_arrays(CFG, pool.num_pages, "fp8")
     table = pool.new(600)
-    arrays = page_io.write(arrays, states["prompt"], table, CFG, "fp8")
+    prompt = paged_states["prompt"]
+    arrays = page_io.write(arrays, prompt, table, CFG, "fp8")
     got = page_io.materialize(
-        arrays, page_io.PagedFrontier(table, page_io.small_part(states["prompt"])), CFG, MAX_LEN
+        arrays, page_io.PagedFrontier(table, page_io.small_part(prompt)), CFG, MAX_LEN
     )
     nope = CFG.head_dim - CFG.rope_dim
-    for i, (g, w) in enumerate(zip(got.layers, states["prompt"].layers, strict=True)):
+    for i, (g, w) in enumerate(zip(got.layers, prompt.layers, strict=True)):
         assert np.array_equal(np.asarray(g.raw), np.asarray(w.raw))
         if w.comp is None:
             continue

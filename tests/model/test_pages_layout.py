@@ -85,20 +85,14 @@ def test_fp8_encode_is_the_simulation_as_bytes(values: list[float], scale: float
 
 
 @pytest.fixture(scope="module")
-def tiny_rows() -> list[tuple[np.ndarray, np.ndarray | None]]:
+def tiny_rows(paged_states) -> list[tuple[np.ndarray, np.ndarray | None]]:
     """The compressed and indexer rows a tiny model's prefill wrote (quant_sim on)."""
-    from ds4jax.model.forward import prefill
-    from ds4jax.model.params import init_params
-    from ds4jax.model.state import init_state
-
     cfg = load_config("tiny")
     assert cfg.quant_sim
-    tokens = np.random.default_rng(0).integers(10, cfg.vocab_size, 300)
-    state, _ = prefill(init_params(cfg, 0), init_state(cfg, 512), tokens, cfg)
     out = []
-    for i, ls in enumerate(state.layers):
+    for i, ls in enumerate(paged_states["prompt"].layers):
         if cfg.layer_kind(i) != "sliding":
-            n = 300 // cfg.compress_ratios[i]
+            n = 600 // cfg.compress_ratios[i]
             idx = None if ls.idx is None else np.asarray(ls.idx[:n])
             out.append((np.asarray(ls.comp[:n]), idx))
     return out
