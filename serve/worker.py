@@ -190,15 +190,16 @@ class EngineWorker:
             self._inflight.remove(job)
         if self.running is job:
             self.running = None
-        # counted before the client hears of it: a scrape after the reply sees the request
+        # counted and logged before the client hears of it: a scrape, the log or the trace
+        # read after the reply already have the request
         self._tell("finished", job, result)
-        if ticket is not None:  # an error is reported to the client; the worker lives on
-            job.post("error" if ticket.error is not None else "done", result)
         for hook in self.hooks:
             try:
                 hook(job, result)
             except Exception:  # a trace writer must never take the worker down
                 pass
+        if ticket is not None:  # an error is reported to the client; the worker lives on
+            job.post("error" if ticket.error is not None else "done", result)
 
     def _loop(self) -> None:
         while True:
