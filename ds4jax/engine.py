@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
@@ -56,9 +56,12 @@ from ds4jax.continuation.types import (
 )
 from ds4jax.decoding import Result, RowDecoder, ToolCallStarted
 from ds4jax.kvstore.background import BackgroundSaves
+from ds4jax.kvstore.page_store import PageStore
+from ds4jax.kvstore.pages import OutOfPages
 from ds4jax.kvstore.store import KVStore, NoStore
 from ds4jax.model import batch as batch_ops
 from ds4jax.model.forward import CHUNK_SIZES, prefill
+from ds4jax.model.page_io import PagedFrontier
 from ds4jax.model.params import Params
 from ds4jax.model.sharding import DATA_AXIS, batch_sharding, replicated
 from ds4jax.model.state import capacity_bytes, init_state
@@ -150,6 +153,9 @@ class Ticket:
     t0: float = 0.0
     prefill_seconds: float = 0.0
     decoder: RowDecoder | None = None
+    #: with paged frontiers: the one the prompt continued, then the prompt end's
+    base_paged: Any = None
+    prompt_paged: Any = None
 
     def succeed(self, result: Result) -> None:
         self.result = result
@@ -182,13 +188,17 @@ class Engine:
         max_batch: int = 1,
         mesh: Any = None,
         background_saves: bool = True,
+        paged_pages: int | None = None,
+        paged_dtype: str = "f32",
     ) -> None:
         """`sessions`, `fork_points`, `state_budget_bytes`: the session pool
         (`continuation.pool`); the budget bounds the retained states (None: unbounded).
         `max_batch`: requests decoded together in one step (`model.batch`). `mesh`: a
         `jax.sharding.Mesh` the params are already sharded over (`model.sharding`); every
         state the engine makes or loads is placed on it, replicated. `background_saves`: a
-        `store` writes on its own thread (`kvstore.background`), off the request path."""
+        `store` writes on its own thread (`kvstore.background`), off the request path.
+        `paged_pages`: retained frontiers are kept in a pool of that many pages of
+        `paged_dtype` (`kvstore.page_store`), the budget counting their distinct pages."""
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer
@@ -201,13 +211,19 @@ class Engine:
         self.mesh = mesh
         self._empty = self._place(init_state(cfg, max_len))
         self.state_nbytes = capacity_bytes(cfg, max_len)
-        if state_budget_bytes is not None and state_budget_bytes < self.state_nbytes:
+        self.pages: PageStore | None = None
+        paging: dict[str, int] = {}
+        if paged_pages is not None:
+            self.pages = PageStore(cfg, max_len, paged_pages, paged_dtype, place=self._place)
+            paging = dict(page_nbytes=self.pages.page_nbytes,
+                          small_nbytes=self.pages.small_nbytes)  # fmt: skip
+        elif state_budget_bytes is not None and state_budget_bytes < self.state_nbytes:
             raise ValueError(
                 f"the state budget ({state_budget_bytes} bytes) holds no state: one takes "
                 f"{self.state_nbytes} bytes at a context of {max_len}"
             )
         self._pool_args = dict(budget=state_budget_bytes, state_nbytes=self.state_nbytes,
-                               keep_forks=fork_points)  # fmt: skip
+                               keep_forks=fork_points, **paging)  # fmt: skip
         self.pool = Pool.create(sessions, **self._pool_args)
         self.max_batch = batch_ops.bucket(max_batch)
         self._batch = self._new_batch()
@@ -508,6 +524,9 @@ class Engine:
         else:
             assert session.live is not None
             base_state, base_segments = session.live.state, session.live.segments
+        if isinstance(base_state, PagedFrontier):  # its pages lend themselves to what grows
+            ticket.base_paged = base_state
+            base_state = self.pages.dense(base_state)
         if decision.suffix_tokens is not None:
             suffix = list(decision.suffix_tokens)
         else:
@@ -599,7 +618,9 @@ class Engine:
             live_segments = prepared.view.segments
         else:
             live_segments = normalize([*ticket.base_segments, *(decision.suffix_segments or ())])
-        prompt_end = LiveFrontier(state, tuple(tokens), live_segments)
+        kept = self._keep(state, len(tokens), ticket.base_paged)
+        ticket.prompt_paged = kept if self.pages is not None else None
+        prompt_end = LiveFrontier(kept, tuple(tokens), live_segments)
         with self._state_lock:
             pool = self.pool
             if decision.source in (CacheSource.FORK, CacheSource.DISK, CacheSource.COLD):
@@ -616,6 +637,7 @@ class Engine:
             pool.retain(prompt_end, session.slot)
             bt = ticket.before_think_state
             if bt is not None and live_segments[-1:] == (THINK_START_SEGMENT,):
+                bt = self._keep(bt, len(tokens) - 1, ticket.base_paged)
                 pool.retain(LiveFrontier(bt, tuple(tokens[:-1]), live_segments[:-1]), session.slot)
         ticket.decoder = RowDecoder(self, prepared, session, list(tokens), live_segments,
                                     ticket.emit, ticket.cancel, ticket.forced)  # fmt: skip
@@ -676,6 +698,8 @@ class Engine:
         try:
             state = batch_ops.extract(self._batch, np.int32(row))
             result = ticket.decoder.finish(state)
+            if self.pages is not None:  # the reply's frontier, grown from the prompt end's
+                self._page_live(ticket.session, state, ticket.prompt_paged)
             result.source = ticket.decision.source
             result.cached = ticket.decision.cached
             result.prefilled = ticket.suffix_n
@@ -688,6 +712,31 @@ class Engine:
             ticket.succeed(result)
         finally:
             self._enforce_budget(ticket.session.slot)
+
+    def _keep(self, state: Any, tokens: int, base: Any) -> Any:
+        """What a retained frontier holds of `state` (`tokens` tokens): itself, or with
+        paged frontiers its pages, grown from `base`'s."""
+        if self.pages is None:
+            return state
+        try:
+            return self.pages.keep(state, tokens, base)
+        except OutOfPages as err:  # kept dense instead: correct, and the budget counts it so
+            log.warning("page pool full (%s): a frontier of %d tokens kept whole", err, tokens)
+            return state
+
+    def _page_live(self, session: Session, state: Any, base: Any) -> None:
+        """The session's new live frontier (`decoding.RowDecoder.finish` made it of the
+        dense `state`) kept in pages instead."""
+        live = session.live
+        if live is None or live.state is not state:
+            return
+        kept = self._keep(state, live.pos, base)
+        if kept is state:
+            return
+        paged = replace(live, state=kept)
+        with self._state_lock:
+            if session.live is live:
+                session.live = paged
 
     def _before_think_cut(self, prepared: Prepared, decision: Decision, tokens: list[int]):
         """Where to keep a second fork point, just before the prompt's closing `<think>`,
@@ -749,6 +798,10 @@ class Engine:
         back; a failing store is logged, not raised: serving goes on without the
         checkpoint."""
         try:
+            if isinstance(self.store, NoStore):
+                return
+            if self.pages is not None:
+                state = self.pages.dense(state)
             self.store.save(
                 tokens, normalize(self.segments_of(tokens)), state, reason, self.tool_memory
             )
@@ -793,6 +846,11 @@ class Engine:
                         cfg=self.cfg, size=size,
                     )  # fmt: skip
             jax.block_until_ready(batch_ops.extract(scratch, np.int32(0)))
+        if self.pages is not None:  # the page programs: write, copy (a shared tail), read
+            a = self.pages.keep(self._empty, 1)
+            self.pages.keep(self._empty, 2, a)
+            b = self.pages.keep(self._empty, 2, a)
+            jax.block_until_ready(self.pages.dense(b))
 
     def logits_for(self, tokens: Sequence[int]) -> np.ndarray:
         """Next-token logits of a cold prefill of `tokens` (fidelity checks)."""

@@ -59,6 +59,10 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--state-budget-mb", type=int, default=None,
                     help="MB of retained states: sessions, fork points (default: 2 states "
                     "per session)")  # fmt: skip
+    sp.add_argument("--paged", action="store_true",
+                    help="keep sessions' and fork points' states in 256-token f32 pages, "
+                    "shared where they hold the same tokens (issue 26, first step); the budget "
+                    "counts pages")  # fmt: skip
     sp.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                     help="requests decoded together in one step (1, 2, 4 or 8)")  # fmt: skip
     sp.add_argument("--mesh", default=None, help=MESH_HELP)
@@ -142,25 +146,42 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
         raise SystemExit(
             f"ds4jax serve: --chunk-sizes {args.chunk_sizes!r}: give sizes like 64,512"
         )
+    paged = {}
+    if args.paged:
+        paged = {"paged_pages": paged_pool_size(cfg, args.ctx, budget, args.max_batch)}
     try:
         engine = Engine(
             cfg, params, tokenizer, max_len=args.ctx, store=store, sessions=args.sessions,
             fork_points=True, state_budget_bytes=budget, max_batch=args.max_batch, mesh=mesh,
-            chunk_sizes=chunks,
+            chunk_sizes=chunks, **paged,
         )  # fmt: skip
     except ValueError as err:  # a state budget that holds no state, a batch the mesh cannot split
         raise SystemExit(f"ds4jax serve: {err}") from err
-    banner += (
-        f"; {args.sessions} sessions, batches of up to {engine.max_batch}, "
-        f"state budget {budget / 2**20:.0f} MB ({per_state / 2**20:.1f} MB per session or fork "
-        "point)"
-    )
+    banner += f"; {args.sessions} sessions, batches of up to {engine.max_batch}, "
+    if engine.pages is None:
+        banner += (f"state budget {budget / 2**20:.0f} MB ({per_state / 2**20:.1f} MB per "
+                   "session or fork point)")  # fmt: skip
+    else:
+        p = engine.pages
+        banner += (f"state budget {budget / 2**20:.0f} MB in pages ({p.pool.num_pages - 1} "
+                   f"pages of {p.page_nbytes / 2**20:.2f} MB + {p.small_nbytes / 2**20:.2f} "
+                   "MB per frontier)")  # fmt: skip
     if store is not None:
         # exact DSML replay survives a restart: tool ids → sampled bytes, before any request
         for tid, block in store.tool_entries().items():
             engine.tool_memory.remember([tid], block)
         banner += f"; disk checkpoints in {args.kv_disk_dir}"
     return engine, banner
+
+
+def paged_pool_size(cfg: Any, ctx: int, budget: int, max_batch: int) -> int:
+    """Pages for `--paged`: the budget's worth, and room for what the requests in flight
+    keep before the budget's evictions run (each row: its prompt end, the state before
+    `<think>`, its reply's frontier, each up to the context)."""
+    from ds4jax.kvstore.pages import pages_for
+    from ds4jax.model.pages import page_bytes
+
+    return -(-budget // page_bytes(cfg, "f32")) + 3 * max_batch * pages_for(ctx) + 1
 
 
 def trace_hook(path: str):

@@ -34,8 +34,8 @@ A client hint (Claude Code's `metadata.user_id`, an `x-session-id` header) break
 between equally deep matches only.
 
 The budget bounds the bytes of the distinct retained states (live frontiers and fork
-points); `evictions` drops fork points least recently used first, then sessions in the
-same order as slots are taken.
+points; paged states by the distinct pages they hold); `evictions` drops fork points least
+recently used first, then sessions in the same order as slots are taken.
 """
 
 from __future__ import annotations
@@ -98,6 +98,9 @@ class Pool:
     budget: int | None = None
     #: bytes of one state (every state has the capacity of `init_state(cfg, max_len)`)
     state_nbytes: int = 0
+    #: a paged state (one with a page `table`): bytes of a page and of its small part
+    page_nbytes: int = 0
+    small_nbytes: int = 0
     keep_forks: bool = True
     clock: int = 0
     current: int = 0  # the slot of the latest request
@@ -105,12 +108,14 @@ class Pool:
 
     @classmethod
     def create(
-        cls, n: int, *, budget: int | None = None, state_nbytes: int = 0, keep_forks: bool = True
-    ) -> Pool:
+        cls, n: int, *, budget: int | None = None, state_nbytes: int = 0, keep_forks: bool = True,
+        page_nbytes: int = 0, small_nbytes: int = 0,
+    ) -> Pool:  # fmt: skip
         if n < 1:
             raise ValueError(f"a pool needs at least one session, got {n}")
         return cls([Session(i) for i in range(n)], budget=budget, state_nbytes=state_nbytes,
-                   keep_forks=keep_forks)  # fmt: skip
+                   keep_forks=keep_forks, page_nbytes=page_nbytes,
+                   small_nbytes=small_nbytes)  # fmt: skip
 
     def tick(self) -> int:
         self.clock += 1
@@ -144,9 +149,14 @@ class Pool:
 
 
 def _bytes(pool: Pool, lives: list[LiveFrontier | None], forks: list[ForkPoint]) -> int:
-    states = {id(f.state) for f in lives if f is not None}
-    states |= {id(f.frontier.state) for f in forks}
-    return len(states) * pool.state_nbytes
+    """Bytes of the distinct states held: a dense state its capacity; paged states their
+    pages, each counted once however many frontiers share it, and a small part each."""
+    states = {id(f.state): f.state for f in lives if f is not None}
+    states |= {id(f.frontier.state): f.frontier.state for f in forks}
+    paged = [s for s in states.values() if hasattr(s, "table")]
+    pages = set().union(*(s.table.pages for s in paged))
+    return ((len(states) - len(paged)) * pool.state_nbytes + len(pages) * pool.page_nbytes
+            + len(paged) * pool.small_nbytes)  # fmt: skip
 
 
 def _victim_order(s: Session) -> tuple[bool, int]:

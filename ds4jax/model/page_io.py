@@ -43,6 +43,14 @@ class PagedFrontier:
     def tokens(self) -> int:
         return self.table.tokens
 
+    @property
+    def logits(self) -> jax.Array:  # as a dense state's: the next-token distribution
+        return self.small.logits
+
+    @property
+    def pos(self) -> jax.Array:
+        return self.small.pos
+
 
 def small_part(state: DecodeState) -> DecodeState:
     """`state` without its compressed and indexer rows: what a frontier keeps beside its

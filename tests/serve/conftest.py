@@ -350,8 +350,9 @@ class ServeProcess:
 
 _early: dict[str, Any] = {}
 #: the demo server's flags: no model flags, a session for each of six concurrent agents, a
-#: stats line every second
-DEMO_SERVE_ARGS = ("--sessions", "6", "--stats-interval", "1")
+#: stats line every second, retained frontiers in pages (the multi-host group, which is
+#: compared with it token for token, keeps dense ones)
+DEMO_SERVE_ARGS = ("--sessions", "6", "--stats-interval", "1", "--paged")
 #: the multi-host group: two processes of 4 CPU devices each, one 2×4 mesh over all 8
 #: (the chunk sizes the tests' prompts are cut into, as with the default ones: 256 would only
 #: add a compile)

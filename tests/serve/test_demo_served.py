@@ -20,6 +20,7 @@ LIVE_LINE = "anthropic live continuation match=tool-output-ids"
 
 def test_default_model_runs_the_tool_loop_live(demo_served: ServeProcess) -> None:
     assert "the trained demo" in demo_served.stderr and "RANDOM" not in demo_served.stderr
+    assert "in pages (" in demo_served.stderr  # the demo server keeps paged frontiers
     client = anthropic.Anthropic(base_url=demo_served.url, api_key="unused", max_retries=0)
     messages: list = [{"role": "user", "content": "What is 123 plus 456?"}]
     kw = {"model": "deepseek-v4-flash", "max_tokens": 200, "tools": TOOLS}

@@ -1,0 +1,96 @@
+"""Retained frontiers kept in pages (`Engine(paged_pages=…)`, `kvstore.page_store`): the
+interleaved conversations of `test_sessions` behave exactly as on dense states — same
+paths, same greedy text — while the retained states cost the distinct pages they hold, and
+pages go back to the pool when nothing holds them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from ds4jax.engine import Engine
+from ds4jax.kvstore.pages import pages_for
+from ds4jax.model.page_io import PagedFrontier
+from tests.continuation.conftest import TOOLS
+from tests.continuation.test_sessions import (
+    SYSTEM,
+    fresh,
+    interleavings,
+    play,
+    prepared,
+)
+
+
+@pytest.fixture(scope="module")
+def engines(_engine: Engine) -> tuple[Engine, Engine]:
+    def make(**kw) -> Engine:
+        e = _engine
+        return Engine(e.cfg, e.params, e.tokenizer, max_len=e.max_len, chunk_sizes=e.chunk_sizes,
+                      sessions=6, fork_points=True, **kw)  # fmt: skip
+
+    return make(), make(paged_pages=512)
+
+
+@settings(max_examples=4, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                 HealthCheck.too_slow])  # fmt: skip
+@given(plan=interleavings())
+def test_paged_frontiers_serve_interleaved_conversations_as_dense_ones(engines, plan) -> None:
+    dense, paged = engines
+    scripts, parallel, order = plan
+    lines = sum(1 + s.count("retry") + s.count("side") for s in scripts)
+    want = play(fresh(dense, lines), dict(enumerate(scripts)), parallel, order)
+    got = play(fresh(paged, lines), dict(enumerate(scripts)), parallel, order)
+    assert {i: [(o.kind, o.source, o.text) for o in out] for i, out in got.items()} == {
+        i: [(o.kind, o.source, o.text) for o in out] for i, out in want.items()}  # fmt: skip
+    frontiers = [s.live for s in paged.pool.sessions if s.live is not None]
+    frontiers += [f.frontier for f in paged.pool.forks]
+    assert frontiers and all(isinstance(f.state, PagedFrontier) for f in frontiers)
+    for f in frontiers:  # each holds exactly its tokens' pages
+        assert f.state.tokens == f.pos and len(f.state.table.pages) == pages_for(f.pos)
+    # the retained states cost their distinct pages: a dense state each costs its capacity
+    assert paged.pool.state_bytes() < dense.pool.state_bytes()
+
+
+def test_a_retry_costs_one_page_at_most_and_released_pages_come_back(engines) -> None:
+    _, engine = engines
+    engine = fresh(engine, 4)
+    store = engine.pages
+    store._drain()
+    start = store.pool.used
+    body = {"system": SYSTEM * 40, "tools": TOOLS,
+            "messages": [{"role": "user", "content": "List the files, please."}]}  # fmt: skip
+    first = engine.run(prepared(engine, body, 4))
+    assert first.prompt_tokens > 256  # a prompt over one page
+    after_first = store.pool.used - start
+    retry = engine.run(prepared(engine, body, 4))
+    assert retry.prefilled == 0 and retry.raw_text == first.raw_text
+    # the retry shares the prompt's full pages; its reply adds at most its tail page
+    assert store.pool.used - start - after_first <= 1
+    point = next(f for f in engine.pool.forks if f.frontier.pos == first.prompt_tokens)
+    cold = engine.logits_for(point.frontier.tokens)
+    dense = store.dense(point.frontier.state)
+    assert np.abs(cold - np.asarray(dense.logits)).max() <= 1e-5
+    engine.reset()  # nothing holds the frontiers now: their pages are freed
+    del point, dense
+    store._drain()
+    assert store.pool.used == start
+
+
+def test_a_full_page_pool_keeps_frontiers_whole_and_serves_the_same(engines) -> None:
+    """Three pages cannot hold a 600-token prompt's frontiers: they are kept dense (the
+    budget counts them so), and the replies are the dense engine's."""
+    dense, big = engines
+    small = Engine(big.cfg, big.params, big.tokenizer, max_len=big.max_len,
+                   chunk_sizes=big.chunk_sizes, sessions=2, fork_points=True,
+                   paged_pages=4)  # fmt: skip
+    body = {"system": SYSTEM * 40, "tools": TOOLS,
+            "messages": [{"role": "user", "content": "List the files, please."}]}  # fmt: skip
+    dense = fresh(dense, 2)
+    want = [dense.run(prepared(dense, body, 4)) for _ in range(2)]  # a prompt, its retry
+    got = [small.run(prepared(small, body, 4)) for _ in range(2)]
+    assert [(r.source, r.raw_text) for r in got] == [(r.source, r.raw_text) for r in want]
+    kinds = {type(f.frontier.state).__name__ for f in small.pool.forks}
+    kinds |= {type(s.live.state).__name__ for s in small.pool.sessions if s.live is not None}
+    assert "DecodeState" in kinds  # some did not fit the pool
