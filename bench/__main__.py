@@ -11,6 +11,7 @@
     python -m bench responses       # TTFT of a Codex-shaped tool turn: call_id, visible, cold
     python -m bench llamacpp        # llama.cpp beside ds4jax: logits, prefill and decode
     python -m bench metrics         # /metrics: decode tok/s with and without, scrape cost
+    python -m bench paged           # retained-state bytes, frontiers dense vs in pages
     python -m bench layers          # where ds4jax's time goes inside one chunk
     python -m bench --quick         # small sizes: a smoke run
 
@@ -30,7 +31,7 @@ import time
 from typing import Any
 
 PARTS = ("prompt", "model", "continuation", "disk", "kernels", "sessions", "batching",
-         "responses", "llamacpp", "metrics", "layers")  # fmt: skip
+         "responses", "llamacpp", "metrics", "paged", "layers")  # fmt: skip
 
 #: `make bench` must end within 20 minutes on 2 cores: the model part caps itself
 #: (`--budget-min`) and the layer breakdown starts no case after this.

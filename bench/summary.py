@@ -246,6 +246,16 @@ def metrics(rep: Row) -> list[Row]:
     return rows
 
 
+def paged(rep: Row) -> list[Row]:
+    rows = rep["rows"]
+    out = []
+    for d, p in zip(rows[::2], rows[1::2], strict=True):
+        at = f"ctx {d['context']}, 8 agents x {d['prompt_tokens']} tokens + retries"
+        out.append(ratio("paged", "dense / paged retained-state bytes", at, d["state_bytes"],
+                         p["state_bytes"], "B"))  # fmt: skip
+    return out
+
+
 PARTS = {
     "prompt": prompt,
     "model": model,
@@ -257,6 +267,7 @@ PARTS = {
     "responses": responses,
     "llamacpp": llamacpp,
     "metrics": metrics,
+    "paged": paged,
 }
 
 

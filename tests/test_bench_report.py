@@ -226,6 +226,14 @@ METRICS = {
                "max_ms": 3.0, "bytes": 21000},
 }  # fmt: skip
 
+PAGED = {
+    "rows": [{"context": 4096, "paged": False, "state_bytes": 40, "prompt_tokens": 900,
+              "frontiers": 24},
+             {"context": 4096, "paged": True, "state_bytes": 10, "prompt_tokens": 900,
+              "frontiers": 24, "pages_used": 30, "page_bytes": 1}],
+    "same_replies": True,
+}  # fmt: skip
+
 RESULTS = {
     "prompt": PROMPT,
     "model": MODEL,
@@ -237,6 +245,7 @@ RESULTS = {
     "responses": RESPONSES,
     "llamacpp": LLAMACPP,
     "metrics": METRICS,
+    "paged": PAGED,
 }
 
 
@@ -283,6 +292,7 @@ def test_every_part_writes_stamped_csvs_and_its_plots(written) -> None:
     assert names["responses"] == ["responses-STAMP-ttft.csv"]
     assert names["llamacpp"] == ["llamacpp-STAMP-speed.csv"]
     assert names["metrics"] == ["metrics-STAMP-decode.csv", "metrics-STAMP-scrape.csv"]
+    assert names["paged"] == ["paged-STAMP-bytes.csv"]
     for path in (p for paths in written.values() for p in paths if p.suffix == ".png"):
         data = path.read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 5000, path
@@ -331,6 +341,7 @@ def test_summary_ratios_are_this_runs_measurements() -> None:
     rows = summary.summary_rows(RESULTS)
     assert _value(rows, "cold / live_call_id TTFT", "20400 ") == 160.0
     assert _value(rows, "metrics on / off decode tok/s", "8 streams") == 0.99
+    assert _value(rows, "dense / paged retained-state bytes", "ctx 4096") == 4.0
     # 10 ms a token (100 tok/s), 2 us of it the observer's
     assert _value(rows, "token time / metrics observer's time per token", "8 streams") == 5000
     assert _value(rows, "ds4jax / llama.cpp (as_converted) tok/s", "decode") == 0.6
