@@ -618,7 +618,16 @@ class Engine:
             live_segments = prepared.view.segments
         else:
             live_segments = normalize([*ticket.base_segments, *(decision.suffix_segments or ())])
-        kept = self._keep(state, len(tokens), ticket.base_paged)
+        base = ticket.base_paged
+        bt = ticket.before_think_state
+        if bt is not None and live_segments[-1:] == (THINK_START_SEGMENT,):
+            # kept first, and the prompt end grown from it: one token further, so it appends
+            # in place and the two share every page
+            bt = self._keep(bt, len(tokens) - 1, base)
+            base = bt if isinstance(bt, PagedFrontier) else base
+        else:
+            bt = None
+        kept = self._keep(state, len(tokens), base)
         ticket.prompt_paged = kept if self.pages is not None else None
         prompt_end = LiveFrontier(kept, tuple(tokens), live_segments)
         with self._state_lock:
@@ -635,9 +644,7 @@ class Engine:
             if decision.source != CacheSource.THINKING_VISIBLE:
                 session.bindings.thinking = None
             pool.retain(prompt_end, session.slot)
-            bt = ticket.before_think_state
-            if bt is not None and live_segments[-1:] == (THINK_START_SEGMENT,):
-                bt = self._keep(bt, len(tokens) - 1, ticket.base_paged)
+            if bt is not None:
                 pool.retain(LiveFrontier(bt, tuple(tokens[:-1]), live_segments[:-1]), session.slot)
         ticket.decoder = RowDecoder(self, prepared, session, list(tokens), live_segments,
                                     ticket.emit, ticket.cancel, ticket.forced)  # fmt: skip

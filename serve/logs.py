@@ -99,10 +99,17 @@ class Tally:
 
     @classmethod
     def read(cls, metrics: ServerMetrics) -> Tally:
-        reg, m = metrics.registry, {"model_name": metrics.model_name}
+        # one collection of the registry (each `get_sample_value` would collect it all)
+        model = metrics.model_name
+        samples = {
+            (s.name, frozenset(s.labels.items())): s.value
+            for family in metrics.registry.collect()
+            for s in family.samples
+        }
 
         def get(name: str, **labels: str) -> float:
-            return reg.get_sample_value(PREFIX + name, {**m, **labels}) or 0.0
+            key = frozenset({"model_name": model, **labels}.items())
+            return samples.get((PREFIX + name, key), 0.0)
 
         return cls(
             prompt=get("prompt_tokens_total"),

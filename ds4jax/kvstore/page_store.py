@@ -70,7 +70,3 @@ class PageStore:
     def _drain(self) -> None:
         while self._released:
             self.pool.release(self._released.popleft())
-
-    def stats(self) -> dict[str, int]:
-        return {"pages": self.pool.num_pages - 1, "pages_used": self.pool.used,
-                "page_bytes": self.page_nbytes}  # fmt: skip

@@ -42,23 +42,16 @@ REWIND = 4
 
 def _rows(lead: tuple[int, ...], width: int, rope: int, dtype: str) -> dict[str, Any]:
     """`lead` rows of `width` values (the last `rope` of them RoPE dims) as `dtype` stores
-    them."""
-    if dtype == "fp8":
-        nope = width - rope
-        scales = -(-math.ceil(nope / FP8_GROUP) // 8) * 8  # padded to whole 8 bytes
-        return {
-            "nope": jnp.zeros((*lead, nope), jnp.float8_e4m3fn),
-            "scale": jnp.zeros((*lead, scales), jnp.uint8),
-            "rope": jnp.zeros((*lead, rope), jnp.bfloat16),
-        }
-    return {"value": jnp.zeros((*lead, width), PLAIN[dtype])}
+    them: zeros in `encode_rows`' own layout, so the layout is written once."""
+    return _zeros_like(lambda: encode_rows(jnp.zeros((*lead, width), jnp.float32), rope, dtype))
 
 
 def _index_rows(lead: tuple[int, ...], width: int, dtype: str) -> dict[str, Any]:
-    if dtype == "fp8":
-        return {"key": jnp.zeros((*lead, width), jnp.float8_e4m3fn),
-                "scale": jnp.zeros(lead, jnp.float32)}  # fmt: skip
-    return _rows(lead, width, 0, dtype)
+    return _zeros_like(lambda: encode_index_rows(jnp.zeros((*lead, width), jnp.float32), dtype))
+
+
+def _zeros_like(encode: Any) -> dict[str, Any]:
+    return {k: jnp.zeros(x.shape, x.dtype) for k, x in jax.eval_shape(encode).items()}
 
 
 def encode_rows(rows: jax.Array, rope: int, dtype: str) -> dict[str, jax.Array]:

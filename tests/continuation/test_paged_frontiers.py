@@ -94,3 +94,22 @@ def test_a_full_page_pool_keeps_frontiers_whole_and_serves_the_same(engines) -> 
     kinds = {type(f.frontier.state).__name__ for f in small.pool.forks}
     kinds |= {type(s.live.state).__name__ for s in small.pool.sessions if s.live is not None}
     assert "DecodeState" in kinds  # some did not fit the pool
+
+
+def test_the_state_before_think_and_the_prompt_end_share_their_pages(engines) -> None:
+    """Thinking on, no tools: the fork point before `<think>` is kept, and the prompt end
+    grows from it by one token in place; the next turn forks from it as on dense states."""
+    dense, paged = engines
+    ask = {"role": "user", "content": "Tell me about JAX. " * 30}
+    body = {"messages": [ask, {"role": "assistant", "content": "JAX is"},
+                         {"role": "user", "content": "Go on."}]}  # fmt: skip
+    runs = []
+    for engine in (fresh(dense, 2), fresh(paged, 2)):
+        first = engine.run(prepared(engine, {"messages": [ask]}, 3))
+        runs.append((first.raw_text, engine.run(prepared(engine, body, 2))))
+    (t_dense, r_dense), (t_paged, r_paged) = runs
+    assert t_paged == t_dense and r_paged.source is r_dense.source
+    assert (r_paged.cached, r_paged.raw_text) == (r_dense.cached, r_dense.raw_text)
+    before, end = sorted((f.frontier for f in paged.pool.forks if f.frontier.pos <=
+                          r_paged.cached + 1), key=lambda f: f.pos)[-2:]  # fmt: skip
+    assert end.pos == before.pos + 1 and end.state.table.pages == before.state.table.pages
