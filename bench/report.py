@@ -282,6 +282,7 @@ TABLES: dict[str, list[tuple[str, Callable[[Row], list[Row]]]]] = {
     "llamacpp": [("speed", llamacpp_rows)],
     "metrics": [("decode", metrics_decode_rows), ("scrape", metrics_scrape_rows)],
     "paged": [("bytes", lambda rep: list(rep["rows"]))],
+    "context": [("speed", lambda rep: list(rep["rows"]))],
 }  # fmt: skip
 
 

@@ -256,6 +256,17 @@ def paged(rep: Row) -> list[Row]:
     return out
 
 
+def context(rep: Row) -> list[Row]:
+    r8k, r1m, before = rep["rows"]
+    at = f"{rep['model']}, a {r8k['prompt_tokens']}-token conversation"
+    return [
+        ratio("context", "decode tok/s at ctx 1M / at ctx 8k", at, r1m["decode_tok_s"],
+              r8k["decode_tok_s"], "tok/s"),
+        ratio("context", f"decode tok/s at ctx 8k / before spans at ctx {before['context']}",
+              at, r8k["decode_tok_s"], before["decode_tok_s"], "tok/s"),
+    ]  # fmt: skip
+
+
 PARTS = {
     "prompt": prompt,
     "model": model,
@@ -268,6 +279,7 @@ PARTS = {
     "llamacpp": llamacpp,
     "metrics": metrics,
     "paged": paged,
+    "context": context,
 }
 
 

@@ -80,6 +80,10 @@ class Config:
     #: "xla" (jnp twins), "pallas" (kernels; interpreted on CPU), "auto" (per op, the
     #: faster measured choice per platform: twins on CPU). See ds4jax.pallas_kernels.
     attention_impl: str = "auto"
+    #: how a stored row of the state is held (`model.pages`: f32, bf16, or fp8, the
+    #: release's 584-byte record): every row is rounded to it as it is written, on every
+    #: path, so a state is the same whether continued, prefilled cold or restored
+    state_dtype: str = "f32"
 
     def __post_init__(self) -> None:
         n = self.num_layers
@@ -109,6 +113,8 @@ class Config:
             raise ValueError("rope_dim must be <= index_head_dim")
         if self.index_head_dim & (self.index_head_dim - 1) and self.quant_sim:
             raise ValueError("the Hadamard indexer simulation needs a power-of-two index_head_dim")
+        if self.state_dtype not in ("f32", "bf16", "fp8"):
+            raise ValueError(f"state_dtype must be f32, bf16 or fp8, not {self.state_dtype!r}")
         if self.num_shared_experts not in (0, 1):
             raise ValueError("num_shared_experts must be 0 or 1")
 

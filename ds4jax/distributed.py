@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import jax
@@ -40,7 +41,7 @@ from ds4jax.engine import Engine, EngineError, Prepared, Ticket
 from ds4jax.kvstore import policy
 from ds4jax.kvstore.disk import KVStoreError
 from ds4jax.kvstore.store import DiskHit
-from ds4jax.model.state import init_state
+from ds4jax.model.state import init_state, span_for, spans
 
 log = logging.getLogger("ds4jax.distributed")
 
@@ -181,7 +182,7 @@ class FollowerStore:
                  continued_every: int = policy.CONTINUED_EVERY) -> None:  # fmt: skip
         """`continued_every`: the leader's (`ds4jax serve` leaves it at the default)."""
         self.channel = channel
-        self.empty = jax.eval_shape(lambda: init_state(cfg, max_len))  # a broadcast's shapes
+        self.cfg, self.spans = cfg, spans(cfg, max_len)
         self.continued_every = continued_every
 
     def lookup(self, segments: Any) -> DiskHit | None:
@@ -189,13 +190,16 @@ class FollowerStore:
         if found is None:
             return None
         key, tokens, segs, tool_entries = found
-        return DiskHit(key, tokens, segs, self._load, tool_entries)
+        return DiskHit(key, tokens, segs, partial(self._load, len(tokens)), tool_entries)
 
-    def _load(self) -> Any:
+    def _load(self, n: int) -> Any:
         failed = _answer(self.channel)
         if failed is not None:
             raise KVStoreError(f"the leader could not load the checkpoint: {failed}")
-        return _broadcast_state(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), self.empty))
+        # a broadcast's shapes: the leader's store loads at the span of the tokens held
+        span = span_for(self.spans, n)
+        empty = jax.eval_shape(lambda: init_state(self.cfg, span))
+        return _broadcast_state(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), empty))
 
     def cold_cut(self, tokens: Any, segments: Any) -> int | None:
         return _answer(self.channel)

@@ -64,11 +64,27 @@ from ds4jax.model.forward import CHUNK_SIZES, prefill
 from ds4jax.model.page_io import PagedFrontier
 from ds4jax.model.params import Params
 from ds4jax.model.sharding import DATA_AXIS, batch_sharding, replicated
-from ds4jax.model.state import capacity_bytes, init_state
+from ds4jax.model.state import (
+    SPAN_BASE,
+    capacity_bytes,
+    holds,
+    init_state,
+    resize,
+    span_for,
+    spans,
+)
 
 log = logging.getLogger("ds4jax.engine")
 
 THINK_START_SEGMENT = Segment(specials.THINK_START, True)
+
+
+def _on_host(tree: Any) -> Any:
+    """Leaves this process holds whole as numpy, to be placed afresh; an array spread over
+    processes stays as it is (it is resharded where it stands)."""
+    return jax.tree.map(
+        lambda x: np.asarray(x) if getattr(x, "is_fully_addressable", True) else x, tree
+    )
 
 
 class EngineError(RuntimeError):
@@ -189,7 +205,7 @@ class Engine:
         mesh: Any = None,
         background_saves: bool = True,
         paged_pages: int | None = None,
-        paged_dtype: str = "f32",
+        span_base: int = SPAN_BASE,
     ) -> None:
         """`sessions`, `fork_points`, `state_budget_bytes`: the session pool
         (`continuation.pool`); the budget bounds the retained states (None: unbounded).
@@ -198,7 +214,9 @@ class Engine:
         state the engine makes or loads is placed on it, replicated. `background_saves`: a
         `store` writes on its own thread (`kvstore.background`), off the request path.
         `paged_pages`: retained frontiers are kept in a pool of that many pages of
-        `paged_dtype` (`kvstore.page_store`), the budget counting their distinct pages."""
+        `cfg.state_dtype` (`kvstore.page_store`), the budget counting their distinct pages.
+        `span_base`: the capacity every state starts with; states, the decode batch included,
+        grow and shrink through `model.state.spans` with the tokens they hold."""
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer
@@ -209,23 +227,27 @@ class Engine:
         self.tool_memory = tool_memory or ToolMemory()
         self.chunk_sizes = tuple(chunk_sizes)
         self.mesh = mesh
-        self._empty = self._place(init_state(cfg, max_len))
-        self.state_nbytes = capacity_bytes(cfg, max_len)
+        self.spans = spans(cfg, max_len, span_base)
+        self._empty = self._place(init_state(cfg, self.spans[0]))
+        #: bytes of the smallest state (a conversation shorter than the first span)
+        self.state_nbytes = capacity_bytes(cfg, self.spans[0])
         self.pages: PageStore | None = None
         paging: dict[str, int] = {}
         if paged_pages is not None:
-            self.pages = PageStore(cfg, max_len, paged_pages, paged_dtype, place=self._place)
+            self.pages = PageStore(cfg, self.spans, paged_pages, cfg.state_dtype,
+                                   place=self._place)  # fmt: skip
             paging = dict(page_nbytes=self.pages.page_nbytes,
                           small_nbytes=self.pages.small_nbytes)  # fmt: skip
         elif state_budget_bytes is not None and state_budget_bytes < self.state_nbytes:
             raise ValueError(
                 f"the state budget ({state_budget_bytes} bytes) holds no state: one takes "
-                f"{self.state_nbytes} bytes at a context of {max_len}"
+                f"{self.state_nbytes} bytes at a context of {self.spans[0]}"
             )
         self._pool_args = dict(budget=state_budget_bytes, state_nbytes=self.state_nbytes,
                                keep_forks=fork_points, **paging)  # fmt: skip
         self.pool = Pool.create(sessions, **self._pool_args)
         self.max_batch = batch_ops.bucket(max_batch)
+        self._batch_span = self.spans[0]
         self._batch = self._new_batch()
         self._keys = np.zeros((self.max_batch, 2), np.uint32)
         self._rows: list[Ticket | None] = [None] * self.max_batch
@@ -439,21 +461,21 @@ class Engine:
         if self.mesh is None:
             return jax.device_put(tree, jax.local_devices()[0])
         if jax.process_count() > 1:  # a new state is host data, the same on every process
-            tree = jax.tree.map(
-                lambda x: np.asarray(x) if getattr(x, "is_fully_addressable", True) else x, tree
-            )
+            tree = _on_host(tree)
         return jax.device_put(tree, replicated(self.mesh))
 
     def _new_batch(self) -> Any:
+        return self._place_batch(batch_ops.empty_batch(self.cfg, self._batch_span, self.max_batch))
+
+    def _place_batch(self, batch: Any) -> Any:
         """The decode batch: placed as a state is, or its rows split over the mesh's data
         axis when it has one."""
-        batch = batch_ops.empty_batch(self.cfg, self.max_len, self.max_batch)
         if self.mesh is None or DATA_AXIS not in self.mesh.shape:
             return self._place(batch)
         data = self.mesh.shape[DATA_AXIS]
         if self.max_batch % data:
             raise ValueError(f"a batch of {self.max_batch} rows does not split over data={data}")
-        return jax.device_put(jax.tree.map(np.asarray, batch), batch_sharding(self.mesh))
+        return jax.device_put(_on_host(batch), batch_sharding(self.mesh))
 
     def abort(self, err: Exception) -> None:
         """Fail every request in the scheduler (after a step raised): their rows and the
@@ -465,6 +487,7 @@ class Engine:
             self.waiting.clear()
             self._prefilling = None
             self._rows = [None] * self.max_batch
+            self._batch_span = self.spans[0]
             self._batch = self._new_batch()
         for t in tickets:
             t.fail(err)
@@ -536,6 +559,7 @@ class Engine:
             raise EngineError(
                 400, f"prompt is too long: {len(tokens)} tokens, the context is {self.max_len}"
             )
+        base_state = self._fit(base_state, len(tokens))
         api = prepared.api
         live_match = {CacheSource.LIVE_TOOL: "tool-output-ids"}
         if api != "anthropic":
@@ -655,6 +679,9 @@ class Engine:
             seed = int.from_bytes(hashlib.blake2b(prepared.nonce, digest_size=4).digest()) >> 1
         key = jax.random.key(seed)
         self._keys[row] = np.asarray(jax.random.key_data(key))
+        if not holds(self.cfg, state, self._batch_span):  # the batch takes the longer span
+            self._resize_batch(max(self._batch_span, span_for(self.spans, len(tokens))))
+            state = self._fit(state, self._batch_span - 1)
         self._batch = batch_ops.insert(self._batch, np.int32(row), state)
         self._rows[row] = ticket
 
@@ -685,6 +712,9 @@ class Engine:
             stepping.append(row)
         if not stepping:
             return
+        need = span_for(self.spans, max(len(self._rows[r].decoder.tokens) for r in stepping) + 1)
+        if need > self._batch_span:  # a row reached the end of the batch's span
+            self._resize_batch(need)
         self._batch, tokens, keys = batch_ops.step(
             self.params, self._batch, override, self._keys[:size], temperature, top_k, top_p,
             min_p, np.int32(self.tokenizer.eos_id), cfg=self.cfg, size=size,
@@ -704,6 +734,7 @@ class Engine:
         self._rows[row] = None
         try:
             state = batch_ops.extract(self._batch, np.int32(row))
+            state = self._fit(state, len(ticket.decoder.tokens))
             result = ticket.decoder.finish(state)
             if self.pages is not None:  # the reply's frontier, grown from the prompt end's
                 self._page_live(ticket.session, state, ticket.prompt_paged)
@@ -719,6 +750,21 @@ class Engine:
             ticket.succeed(result)
         finally:
             self._enforce_budget(ticket.session.slot)
+            active = [len(t.decoder.tokens) + 1 for t in self._rows if t is not None]
+            need = span_for(self.spans, max(active, default=0))
+            if need < self._batch_span:  # the longest row left: the step shrinks with it
+                self._resize_batch(need)
+
+    def _fit(self, state: Any, tokens: int) -> Any:
+        """`state` (dense, holding at most `tokens` tokens) at the span for `tokens`."""
+        span = span_for(self.spans, tokens)
+        if holds(self.cfg, state, span):
+            return state
+        return self._place(resize(state, cfg=self.cfg, span=span))
+
+    def _resize_batch(self, span: int) -> None:
+        self._batch = self._place_batch(resize(self._batch, cfg=self.cfg, span=span))
+        self._batch_span = span
 
     def _keep(self, state: Any, tokens: int, base: Any) -> Any:
         """What a retained frontier holds of `state` (`tokens` tokens): itself, or with
@@ -861,9 +907,8 @@ class Engine:
 
     def logits_for(self, tokens: Sequence[int]) -> np.ndarray:
         """Next-token logits of a cold prefill of `tokens` (fidelity checks)."""
-        state, _ = prefill(
-            self.params, self._empty, list(tokens), self.cfg, chunk_sizes=self.chunk_sizes
-        )
+        state, _ = prefill(self.params, self._fit(self._empty, len(tokens)), list(tokens),
+                           self.cfg, chunk_sizes=self.chunk_sizes)  # fmt: skip
         return np.asarray(state.logits)
 
     def reset(self) -> None:

@@ -96,7 +96,8 @@ class Pool:
     forks: list[ForkPoint] = field(default_factory=list)
     #: bytes of distinct retained states; None: unbounded
     budget: int | None = None
-    #: bytes of one state (every state has the capacity of `init_state(cfg, max_len)`)
+    #: bytes of a dense state that does not say its own (`nbytes`: a state's capacity
+    #: follows its tokens, `model.state.spans`)
     state_nbytes: int = 0
     #: a paged state (one with a page `table`): bytes of a page and of its small part
     page_nbytes: int = 0
@@ -155,8 +156,9 @@ def _bytes(pool: Pool, lives: list[LiveFrontier | None], forks: list[ForkPoint])
     states |= {id(f.frontier.state): f.frontier.state for f in forks}
     paged = [s for s in states.values() if hasattr(s, "table")]
     pages = set().union(*(s.table.pages for s in paged))
-    return ((len(states) - len(paged)) * pool.state_nbytes + len(pages) * pool.page_nbytes
-            + len(paged) * pool.small_nbytes)  # fmt: skip
+    dense = sum(getattr(s, "nbytes", pool.state_nbytes) for s in states.values()
+                if not hasattr(s, "table"))  # fmt: skip
+    return dense + len(pages) * pool.page_nbytes + len(paged) * pool.small_nbytes
 
 
 def _victim_order(s: Session) -> tuple[bool, int]:

@@ -79,7 +79,7 @@ from ds4jax.kvstore import policy
 from ds4jax.kvstore.fingerprint import model_fingerprint
 from ds4jax.kvstore.payload import crc_pool, digest, manifest, pack, payload_bytes, unpack
 from ds4jax.kvstore.store import DiskHit
-from ds4jax.model.state import DecodeState, window
+from ds4jax.model.state import DecodeState, span_for, spans, window
 
 log = logging.getLogger("ds4jax.kvstore")
 
@@ -653,7 +653,9 @@ class DiskStore:
             arrays = _read_payload(entry.path / STATE, meta["arrays"])
             if digest(tokens, arrays) != meta.get("payload_crc32"):
                 raise KVStoreError("payload checksum mismatch")
-            state = unpack(arrays, len(tokens), self.cfg, self.max_len)
+            # at the span of the tokens held, not the context's capacity (`model.state`)
+            span = span_for(spans(self.cfg, self.max_len), len(tokens))
+            state = unpack(arrays, len(tokens), self.cfg, span)
         except Exception as err:
             with self._lock:
                 self._bad.add(entry.key)

@@ -25,19 +25,19 @@ from ds4jax.config import Config
 from ds4jax.kvstore.pages import PAGE_TOKENS, PagePool, PageTable
 from ds4jax.model import page_io
 from ds4jax.model import pages as layout
-from ds4jax.model.state import DecodeState, init_state
+from ds4jax.model.state import DecodeState, init_state, span_for
 
 
 class PageStore:
     def __init__(
-        self, cfg: Config, max_len: int, num_pages: int, dtype: str = "f32",
+        self, cfg: Config, spans: tuple[int, ...], num_pages: int, dtype: str = "f32",
         place: Callable[[Any], Any] = lambda x: x,
     ) -> None:  # fmt: skip
-        self.cfg, self.max_len, self.dtype = cfg, max_len, dtype
+        self.cfg, self.spans, self.dtype = cfg, spans, dtype
         self.pool = PagePool(num_pages)
         self.arrays = place(layout.page_arrays(cfg, num_pages, dtype))
         self.page_nbytes = layout.page_bytes(cfg, dtype)
-        shapes = jax.eval_shape(lambda: page_io.small_part(init_state(cfg, max_len)))
+        shapes = jax.eval_shape(lambda: page_io.small_part(init_state(cfg, spans[0])))
         self.small_nbytes = sum(
             int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes)
         )
@@ -62,9 +62,11 @@ class PageStore:
         return frontier
 
     def dense(self, state: Any) -> DecodeState:
-        """A dense state for a step: a paged frontier materialized, a dense one as it is."""
+        """A dense state for a step: a paged frontier materialized (at the span its tokens
+        need, `model.state.spans`), a dense one as it is."""
         if isinstance(state, page_io.PagedFrontier):
-            return page_io.materialize(self.arrays, state, self.cfg, self.max_len)
+            span = span_for(self.spans, state.tokens)
+            return page_io.materialize(self.arrays, state, self.cfg, span)
         return state
 
     def _drain(self) -> None:

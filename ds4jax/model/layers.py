@@ -16,6 +16,7 @@ import numpy as np
 from ds4jax import pallas_kernels
 from ds4jax.config import Config
 from ds4jax.model import quant_sim
+from ds4jax.model.pages import decode_index_rows, decode_rows, encode_index_rows, encode_rows
 from ds4jax.model.quantized import dequantize, expert
 from ds4jax.model.rope import apply_rope, inv_freqs
 from ds4jax.model.state import LayerState
@@ -152,10 +153,15 @@ def compress(
 # ---------------------------------------------------------------- attention §2.5
 
 
-def _finish_rows(cfg: Config, norm: jax.Array, freqs: np.ndarray, quant: Any):
+def _finish_rows(cfg: Config, norm: jax.Array, freqs: np.ndarray, quant: Any,
+                 store: Any = None):  # fmt: skip
+    """Pooled windows → stored rows: norm, RoPE, the official graph's quantization
+    simulation (`quant`, with `quant_sim`), then `store` (the state dtype's rounding)."""
+
     def finish(pooled: jax.Array, positions: jax.Array) -> jax.Array:
         row = apply_rope(rmsw(pooled, norm, cfg.rms_eps), positions, freqs)
-        return quant(row) if cfg.quant_sim else row
+        row = quant(row) if cfg.quant_sim else row
+        return row if store is None else store(row)
 
     return finish
 
@@ -166,6 +172,17 @@ def _kv_fp8(cfg: Config, x: jax.Array) -> jax.Array:
     if not cfg.quant_sim or nope == 0:
         return x
     return jnp.concatenate([quant_sim.fp8sim(x[..., :nope]), x[..., nope:]], axis=-1)
+
+
+def _stored(cfg: Config, rows: jax.Array, index: bool = False) -> jax.Array:
+    """KV rows (window keys, compressed rows; indexer rows with `index`) as
+    `cfg.state_dtype` holds them, rounded when made: what every later read of the state
+    sees, whichever path made it (`model.pages`' codec, so pages hold them exactly)."""
+    if cfg.state_dtype == "f32":
+        return rows
+    if index:
+        return decode_index_rows(encode_index_rows(rows, cfg.state_dtype))
+    return decode_rows(encode_rows(rows, cfg.rope_dim, cfg.state_dtype))
 
 
 def _gather_selected(cfg: Config, rows: int, k: int) -> bool:
@@ -213,7 +230,7 @@ def attention(
     q = rms(linear(qr, p["wq_b"]).reshape(T, H, hd), cfg.rms_eps)
     q = apply_rope(q, positions, freqs)
     kv = apply_rope(rmsw(linear(x, p["wkv"]), p["kv_norm"], cfg.rms_eps), positions, freqs)
-    kv = _kv_fp8(cfg, kv)
+    kv = _stored(cfg, _kv_fp8(cfg, kv))
 
     # raw window: ring keys (positions < n) then the chunk's own keys
     slots = jnp.arange(W)
@@ -241,7 +258,8 @@ def attention(
         comp, st_kv, st_sc = compress(
             ckv, csc, ls.comp_kv, ls.comp_score, ls.comp, n, n_valid,
             ratio=r, lanes=c, dim=hd,
-            finish=_finish_rows(cfg, cp["norm"], freqs, lambda v: _kv_fp8(cfg, v)),
+            finish=_finish_rows(cfg, cp["norm"], freqs, lambda v: _kv_fp8(cfg, v),
+                                lambda v: _stored(cfg, v)),
         )  # fmt: skip
         new.comp, new.comp_kv, new.comp_score = comp, st_kv, st_sc
         visible = jnp.arange(comp.shape[0])[None, :] < (qp + 1) // r  # [T, cap]
@@ -258,7 +276,8 @@ def attention(
                 linear(x, icp["wgate"]) + icp["ape"][jnp.mod(positions, r)],
                 ls.idx_kv, ls.idx_score, ls.idx, n, n_valid,
                 ratio=r, lanes=2, dim=ihd,
-                finish=_finish_rows(cfg, icp["norm"], freqs, quant_sim.idxq),
+                finish=_finish_rows(cfg, icp["norm"], freqs, quant_sim.idxq,
+                                    lambda v: _stored(cfg, v, index=True)),
             )  # fmt: skip
             new.idx, new.idx_kv, new.idx_score = idx, ist_kv, ist_sc
             if idx.shape[0] <= cfg.index_topk:

@@ -14,7 +14,8 @@ states, and two states of the same tokens compare equal leaf by leaf.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,11 @@ class DecodeState:
     @property
     def num_tokens(self) -> jax.Array:
         return self.pos
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its arrays occupy (its capacity: `spans`), what a retained state costs."""
+        return allocated_bytes(self)
 
 
 def window(cfg: Config, max_len: int) -> int:
@@ -87,6 +93,66 @@ def init_state(cfg: Config, max_len: int, dtype: jnp.dtype = jnp.float32) -> Dec
         pos=jnp.zeros((), jnp.int32),
         logits=jnp.zeros((cfg.vocab_size,), jnp.float32),
     )
+
+
+#: the capacity a state starts with (tokens); a state grows to the next span when its
+#: conversation reaches the end of its own (`spans`)
+SPAN_BASE = 4096
+
+
+def spans(cfg: Config, max_len: int, base: int = SPAN_BASE) -> tuple[int, ...]:
+    """The capacities a state of this context takes, smallest first: `base` doubled until
+    `max_len`, which ends the list. A state is made with the smallest span that holds its
+    tokens and grows (`resize`) as the conversation does, so what it costs, in memory and in
+    attention, follows the tokens held (within 2x) and not `--ctx`; `--ctx` only caps the
+    conversation, and the set is fixed, so a conversation's length never compiles a program
+    outside it. No span is shorter than the sliding window, so every span has the same
+    window ring and a resize moves compressed rows only."""
+    first = max(base, cfg.sliding_window)
+    out = []
+    while first < max_len:
+        out.append(first)
+        first *= 2
+    return (*out, max_len)
+
+
+def span_for(span_set: tuple[int, ...], tokens: int) -> int:
+    """The smallest span that holds `tokens` tokens (a state of span S holds fewer than S)."""
+    for s in span_set:
+        if s > tokens:
+            return s
+    raise ValueError(f"{tokens} tokens do not fit a context of {span_set[-1]}")
+
+
+def holds(cfg: Config, state: DecodeState, span: int) -> bool:
+    """Whether `state` (one state or a batch of them) has the capacity of `span`."""
+    return all(
+        ls.comp.shape[-2] == capacity(cfg, i, span)
+        for i, ls in enumerate(state.layers)
+        if ls.comp is not None
+    )
+
+
+@partial(jax.jit, static_argnames=("cfg", "span"))
+def resize(state: DecodeState, *, cfg: Config, span: int) -> DecodeState:
+    """`state` (or a batch of states: any leading axes) with the compressed and indexer rows
+    of capacity `span`: zero rows appended, or rows past it dropped — which are zero in a
+    state of fewer than `span` tokens (canonical, above), so a shrink loses nothing."""
+
+    def fit(rows: jax.Array | None, layer: int) -> jax.Array | None:
+        if rows is None:
+            return None
+        cap, have = capacity(cfg, layer, span), rows.shape[-2]
+        if cap <= have:
+            return rows[..., :cap, :]
+        pad = [(0, 0)] * rows.ndim
+        pad[-2] = (0, cap - have)
+        return jnp.pad(rows, pad)
+
+    layers = tuple(
+        replace(ls, comp=fit(ls.comp, i), idx=fit(ls.idx, i)) for i, ls in enumerate(state.layers)
+    )
+    return replace(state, layers=layers)
 
 
 def capacity_bytes(cfg: Config, max_len: int) -> int:

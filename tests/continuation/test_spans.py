@@ -1,0 +1,124 @@
+"""States whose capacity follows their tokens (`model.state.spans`, issue 26): a state is made
+with the smallest span that holds its tokens and grows — in prefill, in the decode batch —
+as the conversation does. Growing or shrinking changes no value: every path gives the
+states and the greedy text of an engine whose states all have the context's capacity."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from ds4jax.engine import Engine
+from ds4jax.model.forward import prefill
+from ds4jax.model.state import holds, init_state, resize, span_for, spans
+from tests.continuation.conftest import TOOLS
+from tests.continuation.test_sessions import SYSTEM, fresh, interleavings, play, prepared
+
+BASE = 128
+
+
+def _tokens(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(10, 500, n)]
+
+
+def _max_diff(a, b) -> float:
+    """The largest difference between two states' leaves (equal infinities differ by 0)."""
+
+    def diff(x, y) -> float:
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        assert x.shape == y.shape
+        with np.errstate(invalid="ignore"):  # −∞ − −∞ (empty compressor slots)
+            return float(np.where(x == y, 0.0, np.abs(x - y)).max(initial=0.0))
+
+    return max(diff(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def test_the_spans_double_from_the_base_to_the_context(_engine) -> None:
+    cfg = _engine.cfg  # sliding window 32
+    assert spans(cfg, 2048, BASE) == (128, 256, 512, 1024, 2048)
+    assert spans(cfg, 2048, 8)[0] == cfg.sliding_window  # never shorter than the window
+    assert spans(cfg, 1000, 4096) == (1000,)  # a short context: one span, the context
+    assert spans(cfg, 3000, 1000) == (1000, 2000, 3000)
+    s = spans(cfg, 2048, BASE)
+    assert [span_for(s, n) for n in (0, 127, 128, 1023, 1024, 2047)] == [
+        128, 128, 256, 1024, 2048, 2048]  # fmt: skip
+    with pytest.raises(ValueError, match="do not fit"):
+        span_for(s, 2048)
+
+
+def test_resizing_moves_no_value_and_growth_continues_as_a_cold_prefill(_engine) -> None:
+    cfg, params = _engine.cfg, _engine.params
+    toks = _tokens(230)
+    small, _ = prefill(params, init_state(cfg, 256), toks[:100], cfg, chunk_sizes=(16, 64))
+    grown = resize(small, cfg=cfg, span=1024)
+    assert holds(cfg, grown, 1024) and not holds(cfg, grown, 256)
+    assert grown.nbytes > small.nbytes
+    back = resize(grown, cfg=cfg, span=256)
+    assert _max_diff(back, small) == 0.0  # a shrink drops zero rows only
+    grown, _ = prefill(params, grown, toks[100:], cfg, chunk_sizes=(16, 64))
+    cold, _ = prefill(params, init_state(cfg, 2048), toks, cfg, chunk_sizes=(16, 64))
+    assert _max_diff(resize(grown, cfg=cfg, span=2048), cold) <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def pair(_engine: Engine) -> tuple[Engine, Engine]:
+    """One engine whose states all have the context's capacity, one with spans from 128."""
+
+    def make(**kw) -> Engine:
+        e = _engine
+        return Engine(e.cfg, e.params, e.tokenizer, max_len=e.max_len, chunk_sizes=e.chunk_sizes,
+                      sessions=6, fork_points=True, max_batch=4, **kw)  # fmt: skip
+
+    return make(span_base=_engine.max_len), make(span_base=BASE)
+
+
+@settings(max_examples=3, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                 HealthCheck.too_slow])  # fmt: skip
+@given(plan=interleavings())
+def test_spanned_states_serve_interleaved_conversations_as_full_ones(pair, plan) -> None:
+    full, spanned = pair
+    assert full.spans == (full.max_len,)
+    scripts, parallel, order = plan
+    lines = sum(1 + s.count("retry") + s.count("side") for s in scripts)
+    want = play(fresh(full, lines), dict(enumerate(scripts)), parallel, order)
+    got = play(fresh(spanned, lines), dict(enumerate(scripts)), parallel, order)
+    assert {i: [(o.kind, o.source, o.text) for o in out] for i, out in got.items()} == {
+        i: [(o.kind, o.source, o.text) for o in out] for i, out in want.items()}  # fmt: skip
+    frontiers = [s.live for s in spanned.pool.sessions if s.live is not None]
+    frontiers += [f.frontier for f in spanned.pool.forks]
+    for f in frontiers:  # each at the span of its own tokens
+        assert holds(spanned.cfg, f.state, span_for(spanned.spans, f.pos))
+    assert spanned.pool.state_bytes() < full.pool.state_bytes()
+
+
+def test_the_batch_grows_when_a_row_reaches_its_span_and_shrinks_after(pair) -> None:
+    """Two rows decode together; the longer one crosses a span boundary mid-reply (the base
+    is set just past its prompt) and the batch grows under both; once both left, the batch
+    is back at the smallest span. The replies are the full-capacity engine's."""
+    full, _ = pair
+    full = fresh(full, 4)
+    long_body = {"system": SYSTEM * 6, "tools": TOOLS,
+                 "messages": [{"role": "user", "content": "List the files, please."}]}  # fmt: skip
+    short_body = {"messages": [{"role": "user", "content": "Hi."}]}
+    n_long = len(prepared(full, long_body, 1).view.tokens)
+    engine = Engine(full.cfg, full.params, full.tokenizer, max_len=full.max_len,
+                    chunk_sizes=full.chunk_sizes, sessions=4, fork_points=True, max_batch=4,
+                    span_base=n_long + 5)  # fmt: skip
+    assert engine.spans[0] == n_long + 5
+    want = [full.run(prepared(full, b, 12)) for b in (long_body, short_body)]
+    tickets = [engine.submit(prepared(engine, b, 12)) for b in (long_body, short_body)]
+    grew = False
+    while not all(t.finished.is_set() for t in tickets):
+        engine.tick()
+        grew |= engine._batch_span > engine.spans[0]
+    got = [t.result for t in tickets]
+    assert [r.raw_text for r in got] == [r.raw_text for r in want]
+    assert got[0].prompt_tokens + got[0].output_tokens > engine.spans[0]  # it did cross
+    assert grew and engine._batch_span == engine.spans[0]
+    live = engine.pool.sessions[got[0].session].live
+    assert holds(engine.cfg, live.state, engine.spans[1])
+    cold = engine.logits_for(live.tokens)
+    assert np.abs(cold - np.asarray(live.state.logits)).max() <= 1e-5
