@@ -8,6 +8,13 @@ per program and float32 keys in shared memory) and tie on decode, so "auto" take
 twins for them there. On TPU "auto" takes the dense kernels (not measured yet) and the
 twin for the sparse gather, which has no Mosaic TPU lowering. On CPU interpreted Pallas
 lowers to the same XLA at best, so "auto" takes the twins.
+
+Attention over pages (`paged_attention`) reads the page table through scalar prefetch,
+which only Mosaic TPU implements: on TPU "auto" takes the kernel (its twin copies every
+page the table names, visible or not, into a dense array on each call; the kernel DMAs only
+the visible pages; it lowers to Mosaic in `tests/pallas_kernels`, not yet compiled or
+timed on a TPU); on GPU the twin, since neither Triton nor Mosaic GPU lowers scalar
+prefetch (jax 0.10), and "pallas" there raises `NotImplementedError` for it.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Any
 import jax
 
 from ds4jax.pallas_kernels.indexer_scores import indexer_scores, indexer_scores_reference
+from ds4jax.pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from ds4jax.pallas_kernels.sink_attention import sink_attention, sink_attention_reference
 from ds4jax.pallas_kernels.sparse_attention import sparse_attention, sparse_attention_reference
 
@@ -25,12 +33,13 @@ _OPS = {
     "sink_attention": (sink_attention, sink_attention_reference),
     "sparse_attention": (sparse_attention, sparse_attention_reference),
     "indexer_scores": (indexer_scores, indexer_scores_reference),
+    "paged_attention": (paged_attention, paged_attention_reference),
 }
 
 #: the ops "auto" runs as kernels, per platform (others get their twins)
 AUTO_KERNELS = {
     "gpu": frozenset({"indexer_scores"}),
-    "tpu": frozenset({"sink_attention", "indexer_scores"}),
+    "tpu": frozenset({"sink_attention", "indexer_scores", "paged_attention"}),
 }
 
 
