@@ -257,13 +257,17 @@ def paged(rep: Row) -> list[Row]:
 
 
 def context(rep: Row) -> list[Row]:
-    r8k, r1m, before = rep["rows"]
+    r8k, r1m, before, fp8 = rep["rows"]
     at = f"{rep['model']}, a {r8k['prompt_tokens']}-token conversation"
     return [
         ratio("context", "decode tok/s at ctx 1M / at ctx 8k", at, r1m["decode_tok_s"],
               r8k["decode_tok_s"], "tok/s"),
         ratio("context", f"decode tok/s at ctx 8k / before spans at ctx {before['context']}",
               at, r8k["decode_tok_s"], before["decode_tok_s"], "tok/s"),
+        ratio("context", "decode tok/s with fp8 / f32 states at ctx 8k", at,
+              fp8["decode_tok_s"], r8k["decode_tok_s"], "tok/s"),
+        ratio("context", "prefill tok/s with fp8 / f32 states at ctx 8k", at,
+              fp8["prefill_tok_s"], r8k["prefill_tok_s"], "tok/s"),
     ]  # fmt: skip
 
 

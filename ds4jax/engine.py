@@ -87,6 +87,10 @@ def _on_host(tree: Any) -> Any:
     )
 
 
+#: pages a paged pool starts with; it doubles as frontiers need more, up to its budget
+PAGED_START = 64
+
+
 class EngineError(RuntimeError):
     """A request the engine refuses; `status` is the HTTP status it maps to."""
 
@@ -235,7 +239,7 @@ class Engine:
         paging: dict[str, int] = {}
         if paged_pages is not None:
             self.pages = PageStore(cfg, self.spans, paged_pages, cfg.state_dtype,
-                                   place=self._place)  # fmt: skip
+                                   place=self._place, start_pages=PAGED_START)  # fmt: skip
             paging = dict(page_nbytes=self.pages.page_nbytes,
                           small_nbytes=self.pages.small_nbytes)  # fmt: skip
         elif state_budget_bytes is not None and state_budget_bytes < self.state_nbytes:
@@ -680,7 +684,7 @@ class Engine:
         key = jax.random.key(seed)
         self._keys[row] = np.asarray(jax.random.key_data(key))
         if not holds(self.cfg, state, self._batch_span):  # the batch takes the longer span
-            self._resize_batch(max(self._batch_span, span_for(self.spans, len(tokens))))
+            self._resize_batch(max(self._batch_span, self._span(len(tokens))))
             state = self._fit(state, self._batch_span - 1)
         self._batch = batch_ops.insert(self._batch, np.int32(row), state)
         self._rows[row] = ticket
@@ -712,7 +716,7 @@ class Engine:
             stepping.append(row)
         if not stepping:
             return
-        need = span_for(self.spans, max(len(self._rows[r].decoder.tokens) for r in stepping) + 1)
+        need = self._span(max(len(self._rows[r].decoder.tokens) for r in stepping) + 1)
         if need > self._batch_span:  # a row reached the end of the batch's span
             self._resize_batch(need)
         self._batch, tokens, keys = batch_ops.step(
@@ -751,13 +755,18 @@ class Engine:
         finally:
             self._enforce_budget(ticket.session.slot)
             active = [len(t.decoder.tokens) + 1 for t in self._rows if t is not None]
-            need = span_for(self.spans, max(active, default=0))
+            need = self._span(max(active, default=0))
             if need < self._batch_span:  # the longest row left: the step shrinks with it
                 self._resize_batch(need)
 
+    def _span(self, tokens: int) -> int:
+        """The span for `tokens` tokens; the context's own capacity also holds its last
+        step (a reply that fills the context: `decoding.RowDecoder` stops there)."""
+        return span_for(self.spans, min(tokens, self.max_len - 1))
+
     def _fit(self, state: Any, tokens: int) -> Any:
         """`state` (dense, holding at most `tokens` tokens) at the span for `tokens`."""
-        span = span_for(self.spans, tokens)
+        span = self._span(tokens)
         if holds(self.cfg, state, span):
             return state
         return self._place(resize(state, cfg=self.cfg, span=span))

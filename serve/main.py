@@ -29,8 +29,8 @@ FALLBACK_CONFIG = "tiny"
 DEFAULT_SEED = 0
 DEFAULT_SESSIONS = 4
 DEFAULT_MAX_BATCH = 8
-#: with no --state-budget-mb: room for every session's live frontier and as many fork points
-AUTO_BUDGET_STATES_PER_SESSION = 2
+#: the share of the memory left after the weights that retained states may take by default
+STATE_MEMORY_SHARE = 0.5
 
 
 def add_arguments(sp: argparse.ArgumentParser) -> None:
@@ -57,12 +57,18 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--sessions", type=int, default=DEFAULT_SESSIONS,
                     help="resident sessions (live frontiers kept at once)")  # fmt: skip
     sp.add_argument("--state-budget-mb", type=int, default=None,
-                    help="MB of retained states: sessions, fork points (default: 2 states "
-                    "per session)")  # fmt: skip
+                    help="MB of retained states: sessions, fork points (see "
+                    "--state-memory)")  # fmt: skip
+    sp.add_argument("--state-memory", type=float, default=None, metavar="GB",
+                    help="GB of retained states (sessions, fork points); default: "
+                    f"{STATE_MEMORY_SHARE:.0%} of the memory left after the weights; "
+                    "overrides --state-budget-mb")  # fmt: skip
     sp.add_argument("--paged", action="store_true",
-                    help="keep sessions' and fork points' states in 256-token f32 pages, "
-                    "shared where they hold the same tokens (issue 26, first step); the budget "
-                    "counts pages")  # fmt: skip
+                    help="keep sessions' and fork points' states in 256-token pages, "
+                    "shared where they hold the same tokens; the budget counts pages")  # fmt: skip
+    sp.add_argument("--state-dtype", choices=["f32", "bf16", "fp8"], default="f32",
+                    help="how the state holds its KV rows, rounded as they are made on "
+                    "every path: fp8 is the release's 584-byte record (see README)")  # fmt: skip
     sp.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                     help="requests decoded together in one step (1, 2, 4 or 8)")  # fmt: skip
     sp.add_argument("--mesh", default=None, help=MESH_HELP)
@@ -103,6 +109,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
         )  # fmt: skip
     except MeshError as err:
         raise SystemExit(f"ds4jax serve: {err}") from err
+    cfg = cfg.replace(state_dtype=args.state_dtype)
     if model == DEFAULT_MODEL:
         banner += " (the trained demo: it calls add(a, b) and get_weather(city))"
     store = None
@@ -134,10 +141,12 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     if mesh is not None:
         banner += f"; mesh {dict(mesh.shape)}"
     per_state = capacity_bytes(cfg, args.ctx)
-    if args.state_budget_mb is None:
-        budget = AUTO_BUDGET_STATES_PER_SESSION * args.sessions * per_state
-    else:
+    if args.state_memory is not None:
+        budget = int(args.state_memory * 2**30)
+    elif args.state_budget_mb is not None:
         budget = args.state_budget_mb * 2**20
+    else:
+        budget = default_state_memory(per_device)
     try:
         chunks = sorted({int(c) for c in args.chunk_sizes.split(",") if c.strip()})
     except ValueError:
@@ -174,6 +183,18 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     return engine, banner
 
 
+def default_state_memory(weights_per_device: int) -> int:
+    """`STATE_MEMORY_SHARE` of what a device has left after the weights: its memory limit
+    where the platform reports one (GPU, TPU), else this host's RAM (CPU). A bound, not an
+    allocation: states cost what their tokens hold (`model.state.spans`, paged pools
+    that grow)."""
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    total = stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(0, int(STATE_MEMORY_SHARE * (total - weights_per_device)))
+
+
 def paged_pool_size(cfg: Any, ctx: int, budget: int, max_batch: int) -> int:
     """Pages for `--paged`: the budget's worth, and room for what the requests in flight
     keep before the budget's evictions run (each row: its prompt end, the state before
@@ -181,7 +202,7 @@ def paged_pool_size(cfg: Any, ctx: int, budget: int, max_batch: int) -> int:
     from ds4jax.kvstore.pages import pages_for
     from ds4jax.model.pages import page_bytes
 
-    return -(-budget // page_bytes(cfg, "f32")) + 3 * max_batch * pages_for(ctx) + 1
+    return -(-budget // page_bytes(cfg, cfg.state_dtype)) + 3 * max_batch * pages_for(ctx) + 1
 
 
 def trace_hook(path: str):

@@ -93,6 +93,16 @@ class PagePool:
     def free(self) -> int:
         return len(self._free)
 
+    def extend(self, pages: int) -> None:
+        """`pages` more pages (ids from `num_pages` on): a pool grows with the tokens held,
+        up to its budget, instead of taking the budget's memory up front. The pages free
+        before are handed out first."""
+        start = self.num_pages
+        self.num_pages += pages
+        self.refs += [0] * pages
+        self.written += [0] * pages
+        self._free = list(range(self.num_pages - 1, start - 1, -1)) + self._free
+
     @property
     def used(self) -> int:
         return self.num_pages - 1 - len(self._free)

@@ -134,7 +134,7 @@ def _read_page(
 
 def materialize(arrays: Arrays, frontier: PagedFrontier, cfg: Config, max_len: int) -> DecodeState:
     """The dense state of capacity `max_len` the frontier stands for."""
-    if frontier.tokens >= max_len:
+    if frontier.tokens > max_len:
         raise ValueError(f"{frontier.tokens} tokens do not fit a context of {max_len}")
     empty = init_state(cfg, max_len)
     small = jax.tree.map(jnp.copy, frontier.small)  # the reads donate what they fill

@@ -79,11 +79,14 @@ def decode_rows(stored: dict[str, jax.Array]) -> jax.Array:
 
 
 def encode_index_rows(rows: jax.Array, dtype: str) -> dict[str, jax.Array]:
-    """Indexer rows in `_index_rows`' layout; fp8: E4M3 with one float32 scale per row
-    (amax / 448), the release's indexer key cache."""
+    """Indexer rows in `_index_rows`' layout; fp8: E4M3 with one float32 scale per row,
+    the release's indexer key cache. The scale is amax / 448 rounded up to a power of two
+    (as the KV record's): then a decoded row encodes to itself, so the rows a state holds
+    (`Config.state_dtype`, rounded as they are made) are stored and read back exactly."""
     if dtype != "fp8":
         return encode_rows(rows, 0, dtype)
-    scale = jnp.maximum(jnp.max(jnp.abs(rows), axis=-1), 1e-12) / 448.0
+    amax = jnp.maximum(jnp.max(jnp.abs(rows), axis=-1), 1e-12)
+    scale = jnp.exp2(jnp.ceil(jnp.log2(amax / 448.0)))
     return {"key": (rows / scale[..., None]).astype(jnp.float8_e4m3fn), "scale": scale}
 
 

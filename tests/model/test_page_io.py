@@ -86,3 +86,26 @@ def test_fp8_pages_keep_the_models_rows_but_their_rope_dims(paged_states) -> Non
         if w.idx is not None:
             gi, wi = np.asarray(g.idx), np.asarray(w.idx)
             assert np.allclose(gi, wi, rtol=2**-4, atol=np.abs(wi).max() * 2**-10)
+
+
+def test_a_page_store_grows_with_the_tokens_held_up_to_its_limit(paged_states) -> None:
+    """It starts with two pages (the null page and one), grows by its size or what a
+    frontier wants when short, keeps what it held through the growth, and refuses past its
+    limit unchanged."""
+    from ds4jax.kvstore.page_store import PageStore
+    from ds4jax.kvstore.pages import OutOfPages
+    from ds4jax.model.state import resize, spans
+
+    store = PageStore(CFG, spans(CFG, MAX_LEN, 256), num_pages=8, start_pages=2)
+    assert store.pool.num_pages == 2
+    first = store.keep(paged_states["retry"], 650)  # three pages: the pool grows
+    assert store.pool.num_pages == 2 + 3 and len(first.table.pages) == 3
+    live = store.keep(paged_states["live"], 900, store.keep(paged_states["prompt"], 600))
+    assert store.pool.num_pages == 8  # grown again, to its limit; the first is intact
+    want = resize(paged_states["retry"], cfg=CFG, span=1024)
+    assert same(store.dense(first), want)
+    assert same(store.dense(live), resize(paged_states["live"], cfg=CFG, span=1024))
+    used = store.pool.used
+    with pytest.raises(OutOfPages):
+        store.keep(paged_states["live"], 900)  # four more pages: past the limit
+    assert store.pool.used == used and store.pool.num_pages == 8

@@ -1,0 +1,54 @@
+"""`serve --state-dtype`, `--state-memory`, `--paged` as the engine receives them: the state
+dtype reaches the model config and the page store, the budget is the memory asked for,
+and a paged pool starts small whatever the budget (it grows with the tokens held)."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from ds4jax.engine import PAGED_START, SamplingParams
+from ds4jax.model.pages import page_bytes
+from serve.main import add_arguments, build_engine, default_state_memory
+
+
+def _engine(*flags: str):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    engine, banner = build_engine(parser.parse_args(["--config", "tiny", "--ctx", "4096",
+                                                     *flags]))  # fmt: skip
+    return engine, banner
+
+
+def test_fp8_paged_states_with_a_memory_budget() -> None:
+    engine, banner = _engine("--paged", "--state-dtype", "fp8", "--state-memory", "0.25")
+    assert engine.cfg.state_dtype == "fp8" and engine.pages.dtype == "fp8"
+    assert engine.pool.budget == 2**28
+    assert engine.pages.limit >= 2**28 // page_bytes(engine.cfg, "fp8")
+    assert engine.pages.pool.num_pages == PAGED_START  # not the budget's pages up front
+    assert "in pages" in banner
+    from ds4jax.chat.anthropic import parse_messages_request
+
+    body = {"messages": [{"role": "user", "content": "Count the files. " * 40}]}
+    req = engine.prepare_request(parse_messages_request(body), max_tokens=3,
+                                 sampling=SamplingParams(temperature=0.0))  # fmt: skip
+    res = engine.run(req)
+    live = engine.pool.sessions[res.session].live
+    dense = engine.pages.dense(live.state)
+    cold = engine.logits_for(live.tokens)  # a cold prefill, rounding rows the same way
+    got = np.asarray(dense.logits)
+    assert got.argmax() == cold.argmax() and np.abs(got - cold).max() <= 1e-2
+
+
+def test_the_default_budget_is_a_share_of_the_memory_after_the_weights() -> None:
+    engine, _ = _engine()
+    assert engine.cfg.state_dtype == "f32" and engine.pages is None
+    assert engine.pool.budget == default_state_memory(engine_weights(engine))
+    assert 0 < default_state_memory(0) - default_state_memory(2**20) <= 2**20
+
+
+def engine_weights(engine) -> int:
+    from ds4jax.model.quantized import device_bytes
+
+    return max(device_bytes(engine.params).values())
