@@ -60,6 +60,7 @@ class Result:
     prefill_seconds: float = 0.0
     session: int = 0  # the slot that served it
     forked_from: int | None = None  # the slot whose fork point it continued
+    restored: str | None = None  # the tier its base state came back from ("host")
 
     @property
     def prompt_tokens(self) -> int:

@@ -43,7 +43,15 @@ from ds4jax.chat.segments import Segment, normalize
 from ds4jax.chat.tokenizer import Tokenizer
 from ds4jax.config import Config
 from ds4jax.continuation.evidence import attach_tool_memory, tool_tail, validate_tool_results
-from ds4jax.continuation.pool import Pool, Route, Session, evictions, route
+from ds4jax.continuation.pool import (
+    Pool,
+    Route,
+    Session,
+    evictions,
+    held_bytes,
+    host_victims,
+    route,
+)
 from ds4jax.continuation.tool_memory import ToolMemory
 from ds4jax.continuation.types import (
     Bindings,
@@ -56,6 +64,7 @@ from ds4jax.continuation.types import (
 )
 from ds4jax.decoding import Result, RowDecoder, ToolCallStarted
 from ds4jax.kvstore.background import BackgroundSaves
+from ds4jax.kvstore.host import HostState, to_host
 from ds4jax.kvstore.page_store import PageStore
 from ds4jax.kvstore.pages import OutOfPages
 from ds4jax.kvstore.store import KVStore, NoStore
@@ -176,6 +185,8 @@ class Ticket:
     #: with paged frontiers: the one the prompt continued, then the prompt end's
     base_paged: Any = None
     prompt_paged: Any = None
+    #: where its base state came back from before continuing: "host" (`kvstore.host`)
+    restored: str | None = None
 
     def succeed(self, result: Result) -> None:
         self.result = result
@@ -210,6 +221,7 @@ class Engine:
         background_saves: bool = True,
         paged_pages: int | None = None,
         span_base: int = SPAN_BASE,
+        host_budget_bytes: int | None = None,
     ) -> None:
         """`sessions`, `fork_points`, `state_budget_bytes`: the session pool
         (`continuation.pool`); the budget bounds the retained states (None: unbounded).
@@ -220,7 +232,9 @@ class Engine:
         `paged_pages`: retained frontiers are kept in a pool of that many pages of
         `cfg.state_dtype` (`kvstore.page_store`), the budget counting their distinct pages.
         `span_base`: the capacity every state starts with; states, the decode batch included,
-        grow and shrink through `model.state.spans` with the tokens they hold."""
+        grow and shrink through `model.state.spans` with the tokens they hold.
+        `host_budget_bytes`: a host-RAM tier (`kvstore.host`) of that size takes the states
+        of the sessions the state budget evicts, before the disk."""
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer
@@ -250,6 +264,10 @@ class Engine:
         self._pool_args = dict(budget=state_budget_bytes, state_nbytes=self.state_nbytes,
                                keep_forks=fork_points, **paging)  # fmt: skip
         self.pool = Pool.create(sessions, **self._pool_args)
+        if host_budget_bytes and jax.process_count() > 1:
+            raise ValueError("the host-RAM tier holds one process's states: not with "
+                             f"{jax.process_count()} processes")  # fmt: skip
+        self.host_budget = host_budget_bytes or None
         self.max_batch = batch_ops.bucket(max_batch)
         self._batch_span = self.spans[0]
         self._batch = self._new_batch()
@@ -554,6 +572,9 @@ class Engine:
         if isinstance(base_state, PagedFrontier):  # its pages lend themselves to what grows
             ticket.base_paged = base_state
             base_state = self.pages.dense(base_state)
+        elif isinstance(base_state, HostState):  # back from the host tier, to continue
+            ticket.restored = "host"
+            base_state = self._place(base_state.state)
         if decision.suffix_tokens is not None:
             suffix = list(decision.suffix_tokens)
         else:
@@ -563,6 +584,7 @@ class Engine:
             raise EngineError(
                 400, f"prompt is too long: {len(tokens)} tokens, the context is {self.max_len}"
             )
+        self._check_room(len(tokens), session.slot)
         base_state = self._fit(base_state, len(tokens))
         api = prepared.api
         live_match = {CacheSource.LIVE_TOOL: "tool-output-ids"}
@@ -748,6 +770,7 @@ class Engine:
             result.prefill_seconds = ticket.prefill_seconds
             result.session = ticket.session.slot
             result.forked_from = ticket.routed.fork.owner if ticket.routed.fork else None
+            result.restored = ticket.restored
         except Exception as err:
             ticket.fail(err)
         else:
@@ -822,16 +845,57 @@ class Engine:
         """Drop what the state budget no longer holds; with a store, evicted states are
         saved first (they come back as disk hits)."""
         with self._state_lock:
-            forks, slots = evictions(self.pool, self._busy_slots() | {keep})
+            busy = self._busy_slots() | {keep}
+            forks, slots = evictions(self.pool, busy)
             dropped = [f.frontier for f in forks]
-            dropped += [self.pool.sessions[i].live for i in slots]
             self.pool.forks = [f for f in self.pool.forks if f not in forks]
             for i in slots:
-                self.pool.sessions[i].clear()
+                session = self.pool.sessions[i]
+                if not self._to_host(session, busy, dropped):
+                    dropped.append(session.live)
+                    session.clear()
         for frontier in dropped:
             if frontier is not None and frontier.pos:
                 log.info("evict %d tokens (state budget)", frontier.pos)
                 self._save(frontier.tokens, frontier.state, "evict")
+
+    def _to_host(self, session: Session, keep: set[int], dropped: list[Any]) -> bool:
+        """Move an evicted session's state to the host tier, whole session kept (sessions
+        held there longest go on to `dropped` to make room); False when there is no tier or
+        the state cannot fit it. Under the state lock."""
+        if self.host_budget is None or session.live is None:
+            return False
+        dense = self.pages.dense(session.live.state) if self.pages else session.live.state
+        victims = host_victims(self.pool, dense.nbytes, self.host_budget, keep | {session.slot})
+        if victims is None:
+            return False
+        for i in victims:
+            dropped.append(self.pool.sessions[i].live)
+            self.pool.sessions[i].clear()
+        session.live = replace(session.live, state=to_host(dense))
+        log.info("spill %d tokens of session %d to host RAM (%d bytes)", session.live.pos,
+                 session.slot, dense.nbytes)  # fmt: skip
+        return True
+
+    def _check_room(self, tokens: int, slot: int) -> None:
+        """Refuse, changing nothing, a request whose state the budget cannot hold beside
+        the states of the requests in flight, whatever else it evicts: a 529 (the client
+        retries; `serve` adds `retry-after`)."""
+        budget = self.pool.budget
+        if budget is None:
+            return
+        need = capacity_bytes(self.cfg, self._span(tokens))
+        with self._state_lock:
+            busy = self._busy_slots() - {slot}
+            held = held_bytes(self.pool, busy)
+        if held + need > budget:
+            raise EngineError(
+                529,
+                f"overloaded: a {tokens}-token state ({need} bytes) does not fit the state "
+                f"budget ({budget} bytes) beside the {len(busy)} requests in flight "
+                f"({held} bytes); retry shortly",
+                "overloaded_error",
+            )
 
     # ------------------------------------------------------------------ disk hooks
 
@@ -862,7 +926,9 @@ class Engine:
         try:
             if isinstance(self.store, NoStore):
                 return
-            if self.pages is not None:
+            if isinstance(state, HostState):
+                state = state.state
+            elif self.pages is not None:
                 state = self.pages.dense(state)
             self.store.save(
                 tokens, normalize(self.segments_of(tokens)), state, reason, self.tool_memory

@@ -57,15 +57,23 @@ class ServerConfig:
 OPENAI_PATHS = ("/v1/responses", "/v1/chat/completions")
 
 
+#: seconds a client is told to wait before retrying an overloaded answer (`retry-after`)
+RETRY_AFTER_S = 2
+
+
 def _err(status: int, message: str, error_type: str | None = None) -> Response:
-    """An error in the shape of the protocol the request spoke (by its path)."""
+    """An error in the shape of the protocol the request spoke (by its path). Overloaded
+    (529, Anthropic's own status; 503 in OpenAI's shape) carries `retry-after`."""
     kind = error_type or protocol.ERROR_TYPES.get(status, "api_error")
     if request.path in OPENAI_PATHS:
+        status = 503 if status == 529 else status
         body: dict[str, Any] = {"error": {"message": message, "type": kind, "param": None,
                                           "code": None}}  # fmt: skip
     else:
         body = protocol.error_body(kind, message)
-    return Response(json.dumps(body), status=status, content_type="application/json")
+    headers = {"retry-after": str(RETRY_AFTER_S)} if kind == "overloaded_error" else {}
+    return Response(json.dumps(body), status=status, content_type="application/json",
+                    headers=headers)  # fmt: skip
 
 
 def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:

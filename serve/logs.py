@@ -67,6 +67,7 @@ def request_line(job: Any, result: Any) -> str:
     head = (
         f"request api={api} session={result.session} "
         f"source={SOURCE_LABELS[result.source]} finish={result.finish}"
+        + (f" restored={result.restored}" if result.restored else "")
     )
     prompt = f"prompt {result.prompt_tokens} tokens (cached {result.cached})"
     prefill = f"prefill {result.prefilled} tokens {prefill_ms:.1f} ms"

@@ -63,6 +63,9 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
                     help="GB of retained states (sessions, fork points); default: "
                     f"{STATE_MEMORY_SHARE:.0%} of the memory left after the weights; "
                     "overrides --state-budget-mb")  # fmt: skip
+    sp.add_argument("--host-state-memory", type=float, default=0.0, metavar="GB",
+                    help="GB of host RAM for the states of sessions the state budget "
+                    "evicts, kept whole to continue later (0: off; one process only)")  # fmt: skip
     sp.add_argument("--paged", action="store_true",
                     help="keep sessions' and fork points' states in 256-token pages, "
                     "shared where they hold the same tokens; the budget counts pages")  # fmt: skip
@@ -162,7 +165,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
         engine = Engine(
             cfg, params, tokenizer, max_len=args.ctx, store=store, sessions=args.sessions,
             fork_points=True, state_budget_bytes=budget, max_batch=args.max_batch, mesh=mesh,
-            chunk_sizes=chunks, **paged,
+            chunk_sizes=chunks, host_budget_bytes=int(args.host_state_memory * 2**30) or None,
+            **paged,
         )  # fmt: skip
     except ValueError as err:  # a state budget that holds no state, a batch the mesh cannot split
         raise SystemExit(f"ds4jax serve: {err}") from err
@@ -219,6 +223,7 @@ def trace_hook(path: str):
                 "source": result.source.value,
                 "session": result.session,
                 "forked_from": result.forked_from,
+                "restored": result.restored,
                 "cached": result.cached,
                 "prefilled": result.prefilled,
                 "output_tokens": result.output_tokens,

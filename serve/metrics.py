@@ -100,6 +100,9 @@ class ServerMetrics:
         )
         self.rejections = counter("rejected_requests", "Error answers, by HTTP status.",
                                   ("status",))  # fmt: skip
+        self.restores = counter("state_restores", "Requests whose base state came back from "
+                                "a memory tier before continuing, by tier.", ("tier",))  # fmt: skip
+        self.restores.labels(model_name, "host")
         for c in (self.prompt_tokens, self.generation_tokens, self.cached_tokens,
                   self.prefilled_tokens):  # fmt: skip
             c.labels(model_name)
@@ -171,6 +174,8 @@ class ServerMetrics:
             return
         assert isinstance(result, Result)
         self.requests.labels(self.model_name, _api(job), result.finish).inc()
+        if result.restored:
+            self.restores.labels(self.model_name, result.restored).inc()
         self.e2e.observe(job.finished - job.arrived)
         if job.first_event is not None:
             self.ttft.observe(job.first_event - job.arrived)

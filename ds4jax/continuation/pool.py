@@ -35,7 +35,9 @@ between equally deep matches only.
 
 The budget bounds the bytes of the distinct retained states (live frontiers and fork
 points; paged states by the distinct pages they hold); `evictions` drops fork points least
-recently used first, then sessions in the same order as slots are taken.
+recently used first, then sessions in the same order as slots are taken. With a host-RAM
+tier (`kvstore.host`) an evicted session's state moves there instead, the session kept
+whole; `host_victims` says which host-held ones go on to disk when the tier is full.
 """
 
 from __future__ import annotations
@@ -154,11 +156,46 @@ def _bytes(pool: Pool, lives: list[LiveFrontier | None], forks: list[ForkPoint])
     pages, each counted once however many frontiers share it, and a small part each."""
     states = {id(f.state): f.state for f in lives if f is not None}
     states |= {id(f.frontier.state): f.frontier.state for f in forks}
+    states = {k: s for k, s in states.items() if not on_host(s)}  # the host tier's own
     paged = [s for s in states.values() if hasattr(s, "table")]
     pages = set().union(*(s.table.pages for s in paged))
     dense = sum(getattr(s, "nbytes", pool.state_nbytes) for s in states.values()
                 if not hasattr(s, "table"))  # fmt: skip
     return dense + len(pages) * pool.page_nbytes + len(paged) * pool.small_nbytes
+
+
+def held_bytes(pool: Pool, slots: Collection[int]) -> int:
+    """Device bytes the live frontiers of `slots` hold (the requests in flight)."""
+    return _bytes(pool, [pool.sessions[i].live for i in slots], [])
+
+
+def on_host(state: object) -> bool:
+    """A state in the host-RAM tier (`kvstore.host`): it costs no device bytes."""
+    return getattr(state, "on_host", False)
+
+
+def host_bytes(pool: Pool) -> int:
+    return sum(s.live.state.nbytes for s in pool.sessions
+               if s.live is not None and on_host(s.live.state))  # fmt: skip
+
+
+def host_victims(
+    pool: Pool, need: int, host_budget: int, keep: Collection[int] = ()
+) -> list[int] | None:
+    """The sessions to move out of the host tier (to disk, or dropped) so that a state of
+    `need` bytes fits `host_budget` beside the rest, in the order sessions give up device
+    room (`_victim_order`: one waiting for tool results last); None when it cannot fit."""
+    if need > host_budget:
+        return None
+    held = sorted((s for s in pool.sessions if s.slot not in keep and s.live is not None
+                   and on_host(s.live.state)), key=_victim_order)  # fmt: skip
+    total, out = host_bytes(pool), []
+    for s in held:
+        if total + need <= host_budget:
+            break
+        total -= s.live.state.nbytes
+        out.append(s.slot)
+    return out if total + need <= host_budget else None
 
 
 def _victim_order(s: Session) -> tuple[bool, int]:
@@ -263,8 +300,8 @@ def evictions(pool: Pool, keep: int | Collection[int]) -> tuple[list[ForkPoint],
                 drop_forks.append(f)
 
     shed_forks()
-    idle = sorted((s for s in pool.sessions if s.slot not in keep and s.live is not None),
-                  key=_victim_order)  # fmt: skip
+    idle = sorted((s for s in pool.sessions if s.slot not in keep and s.live is not None
+                   and not on_host(s.live.state)), key=_victim_order)  # fmt: skip
     for s in idle:
         if size(forks) <= pool.budget:
             break

@@ -37,7 +37,7 @@ REQUIRED = [
     "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket",
     "request_prompt_tokens_bucket", "request_prefilled_tokens_bucket", "requests_running",
     "requests_waiting", "sessions_resident", "fork_points", "batch_rows_active", "state_bytes",
-    "state_bytes_limit", "disk_checkpoint_bytes", "model_config_info",
+    "state_bytes_limit", "disk_checkpoint_bytes", "model_config_info", "state_restores_total",
 ]  # fmt: skip
 SOURCES = ["live_tool_ids", "live_visible", "live_tokens", "live_text", "fork_point", "disk",
            "cold"]  # fmt: skip
@@ -211,3 +211,24 @@ def test_six_concurrent_streaming_agents_are_each_counted_once(
                 and dict(k[1])["status"].startswith("5") and v]  # fmt: skip
     assert after.get(P + "requests_running") == 0 and after.get(P + "batch_rows_active") == 0
     assert after.get(P + "sessions_resident") == 6
+
+
+def test_a_request_continued_from_the_host_tier_is_counted_by_tier(worker: EngineWorker) -> None:
+    """`state_restores_total{tier}`: the engine marks a result whose base came back from host
+    RAM (`Result.restored`, tests/continuation/test_host_tier.py); the observer counts it."""
+    from types import SimpleNamespace
+
+    from ds4jax.continuation.types import CacheSource
+    from ds4jax.decoding import Result
+    from serve.metrics import ServerMetrics
+
+    metrics = ServerMetrics(worker, MODEL, {})
+    job = SimpleNamespace(prepared=SimpleNamespace(api="anthropic"), finished=2.0, arrived=1.0,
+                          first_event=None, decided=None, submitted=None, first_token=None,
+                          last_token=None)  # fmt: skip
+    result = Result(CacheSource.LIVE_TOOL, 10, 2, 1, "end_turn", None, [], restored="host")
+    before = Scrape.parse(metrics.render().decode()).get(P + "state_restores_total", tier="host")
+    metrics.finished(job, result)
+    metrics.finished(job, Result(CacheSource.LIVE_TOOL, 10, 2, 1, "end_turn", None, []))
+    after = Scrape.parse(metrics.render().decode()).get(P + "state_restores_total", tier="host")
+    assert (before, after) == (0, 1)
