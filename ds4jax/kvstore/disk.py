@@ -83,7 +83,9 @@ from ds4jax.model.state import DecodeState, span_for, spans, window
 
 log = logging.getLogger("ds4jax.kvstore")
 
-FORMAT = "ds4jax-kv/2"  # 2: one payload array, zarr3, no compression
+#: 2: one payload array, zarr3, no compression; 3: rows in the state dtype (`payload`),
+#: so a checkpoint of an older format is ignored with a log line, never misread
+FORMAT = "ds4jax-kv/3"
 KEY_TOKEN_TEXT = "token-text"
 REASONS = ("cold", "continued", "evict", "shutdown")
 TMP_PREFIX = ".tmp-"

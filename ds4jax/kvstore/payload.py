@@ -2,7 +2,10 @@
 
 Only live rows are kept: after `n` tokens the raw ring holds `min(n, W)` rows, the
 compressed and indexer rows `n // r` rows; the small compressor frontiers and the next-token
-logits are kept whole. The state is canonical (model/state.py: rows past the live ones are
+logits are kept whole. Rows are stored in the state dtype (`Config.state_dtype`): as
+float32, or as the bytes of their bf16 / fp8 records (`model.pages.rows_to_bytes`) — the
+rows a state of that dtype holds are values of it, so they come back bit for bit, at a
+quarter of the bytes in fp8. The state is canonical (model/state.py: rows past the live ones are
 the initial values, zero for every row field), so `unpack` rebuilds the full-capacity state
 exactly by scattering the saved rows into zeros of the shapes of `init_state(cfg, max_len)`:
 a checkpoint loads into any context that holds its tokens, whatever context it was written
@@ -25,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.config import Config
+from ds4jax.model.pages import rows_from_bytes, rows_to_bytes
 from ds4jax.model.state import DecodeState, LayerState, init_state, window
 
 #: per-layer fields whose leading axis is token rows, and how many rows are live after n
@@ -59,7 +63,10 @@ def pack(state: DecodeState, n: int, cfg: Config) -> dict[str, np.ndarray]:
             if x is None:
                 continue
             if field in ROW_FIELDS:
-                out[f"l{i}_{field}"] = host_rows(x, max(1, live_rows(cfg, i, field, n, win)))
+                rows = host_rows(x, max(1, live_rows(cfg, i, field, n, win)))
+                if cfg.state_dtype != "f32":  # its records: the bytes the state's rows are
+                    rows = rows_to_bytes(rows, cfg.rope_dim, cfg.state_dtype, field == "idx")
+                out[f"l{i}_{field}"] = rows
             else:
                 out[f"l{i}_{field}"] = np.asarray(x)
     return out
@@ -121,6 +128,11 @@ def unpack(arrays: Mapping[str, np.ndarray], n: int, cfg: Config, max_len: int) 
 
     def fill(name: str, like: jax.ShapeDtypeStruct, rows: int | None) -> jax.Array:
         a = arrays[name]
+        if rows is not None and cfg.state_dtype != "f32":  # records back to the rows
+            if a.dtype != np.uint8 or a.ndim != 2:
+                raise ValueError(f"{name}: {a.dtype} {a.shape}, not {cfg.state_dtype} records")
+            a = rows_from_bytes(a, like.shape[-1], cfg.rope_dim, cfg.state_dtype,
+                                name.endswith("_idx"))  # fmt: skip
         if a.dtype != like.dtype:
             raise ValueError(f"{name}: dtype {a.dtype}, the state has {like.dtype}")
         if rows is None:

@@ -96,6 +96,38 @@ def decode_index_rows(stored: dict[str, jax.Array]) -> jax.Array:
     return stored["key"].astype(jnp.float32) * stored["scale"][..., None]
 
 
+def rows_to_bytes(rows: Any, rope: int, dtype: str, index: bool = False) -> np.ndarray:
+    """Rows `[n, width]` as their records' bytes `[n, record bytes]` (uint8): the layout a
+    disk checkpoint stores them in, in the state dtype (`kvstore.payload`)."""
+    enc = encode_index_rows(rows, dtype) if index else encode_rows(rows, rope, dtype)
+    return np.concatenate([_as_bytes(np.asarray(enc[k])) for k in sorted(enc)], axis=-1)
+
+
+def rows_from_bytes(data: np.ndarray, width: int, rope: int, dtype: str,
+                    index: bool = False) -> np.ndarray:  # fmt: skip
+    """The float32 rows `rows_to_bytes` stored (`width` values each)."""
+
+    def spec() -> dict[str, Any]:
+        zero = jnp.zeros((1, width), jnp.float32)
+        return encode_index_rows(zero, dtype) if index else encode_rows(zero, rope, dtype)
+
+    parts, off = {}, 0
+    for k, like in sorted(jax.eval_shape(spec).items()):
+        size = int(np.prod(like.shape[1:], dtype=np.int64)) * like.dtype.itemsize
+        raw = np.ascontiguousarray(data[:, off : off + size])
+        parts[k] = raw.view(like.dtype).reshape(data.shape[0], *like.shape[1:])
+        off += size
+    if off != data.shape[-1]:
+        raise ValueError(f"{data.shape[-1]} bytes a row, the {dtype} record has {off}")
+    decode = decode_index_rows if index else decode_rows
+    return np.asarray(decode({k: jnp.asarray(v) for k, v in parts.items()}))
+
+
+def _as_bytes(part: np.ndarray) -> np.ndarray:
+    flat = np.ascontiguousarray(part.reshape(part.shape[0], -1))
+    return flat.view(np.uint8).reshape(part.shape[0], -1)
+
+
 def _check(dtype: str) -> None:
     if dtype not in STATE_DTYPES:
         raise ValueError(f"state dtype must be one of {', '.join(STATE_DTYPES)}, not {dtype!r}")
