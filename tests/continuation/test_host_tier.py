@@ -11,13 +11,21 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from ds4jax.continuation.pool import Pool, Session, host_bytes, host_victims
 from ds4jax.continuation.types import Bindings, CacheSource, LiveFrontier, ToolBinding
 from ds4jax.engine import Engine, EngineError
 from ds4jax.kvstore.host import HostState
 from tests.continuation.conftest import TOOLS, forced
-from tests.continuation.test_sessions import SYSTEM, calls_text, fresh, prepared
+from tests.continuation.test_sessions import (
+    SYSTEM,
+    calls_text,
+    fresh,
+    interleavings,
+    play,
+    prepared,
+)
 
 # ------------------------------------------------------------------ pure: no model
 
@@ -66,7 +74,7 @@ def engines(_engine: Engine) -> tuple[Engine, Engine]:
         return Engine(e.cfg, e.params, e.tokenizer, max_len=e.max_len, chunk_sizes=e.chunk_sizes,
                       sessions=3, fork_points=True, max_batch=2, **kw)  # fmt: skip
 
-    return make(), make(host_budget_bytes=4 * e.state_nbytes)
+    return make(), make(host_budget_bytes=64 * e.state_nbytes)
 
 
 def _main_and_follow(engine: Engine):
@@ -135,3 +143,26 @@ def test_a_state_that_cannot_fit_beside_those_in_flight_is_refused_unchanged(eng
         assert retry.source is not None
     finally:
         engine.host_budget = host
+
+
+@settings(max_examples=3, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                 HealthCheck.too_slow])  # fmt: skip
+@given(plan=interleavings())
+def test_under_a_one_state_budget_no_live_session_is_lost(engines, plan) -> None:
+    """The interleaved agents of `test_sessions` with room on the device for one state: each
+    session the budget evicts waits in host RAM, so every turn gives the unpressured reply
+    and every live tool continuation stays live (fork points, evicted first, may turn a
+    retry into a prefill: the same text)."""
+    calm, pressed = engines
+    scripts, parallel, order = plan
+    lines = sum(1 + s.count("retry") + s.count("side") for s in scripts)
+    want = play(fresh(calm, lines), dict(enumerate(scripts)), parallel, order)
+    got = play(fresh(pressed, lines, budget_states=1), dict(enumerate(scripts)), parallel, order)
+    assert {i: [(o.kind, o.text) for o in out] for i, out in got.items()} == {
+        i: [(o.kind, o.text) for o in out] for i, out in want.items()}  # fmt: skip
+    for i, out in want.items():
+        for w, g in zip(out, got[i], strict=True):
+            if w.source is CacheSource.LIVE_TOOL:
+                assert g.source is CacheSource.LIVE_TOOL
+    assert pressed.pool.state_bytes() <= pressed.pool.budget
