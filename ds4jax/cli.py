@@ -338,9 +338,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of each device kept for activations and XLA (default 0.1)",
     )
     sp.add_argument("--json", action="store_true", help="one JSON object, every mesh")
-    sp.add_argument("--paged-state", choices=["f32", "bf16", "fp8"], default=None,
-                    help="count states as paged state in this dtype will hold them (issue 26, "
-                    "not yet served) instead of today's fixed-capacity f32")  # fmt: skip
+    sp.add_argument("--paged-state", "--state-dtype", dest="paged_state",
+                    choices=["f32", "bf16", "fp8"], default=None,
+                    help="count states as paged state in this dtype holds them (serve "
+                    "--paged --state-dtype) instead of fixed-capacity f32 states")  # fmt: skip
     add_hub_options(sp)
     sp.set_defaults(func=cmd_plan)
 

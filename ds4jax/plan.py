@@ -12,12 +12,14 @@ session's live frontier and fork points under the default state budget (two stat
 session), the batch's `max_batch` rows, and the engine's empty template state. A
 `--reserve` share of each device is left for activations and XLA's workspace.
 
-`--paged-state DTYPE` counts them instead as paged state will hold them (issue 26; not yet
-what `ds4jax serve` holds): a session at the context's length holds its pages and one
-per-session part (`model.pages`, in that dtype); its fork point shares the full pages and
-adds at most its partial page and a per-session part; batch rows hold no copies, only the
-per-session parts they move. Either way `sessions_fit` is how many sessions of that length
-(each with its fork point) the room left after the weights and the batch holds.
+`--paged-state DTYPE` (or `--state-dtype`) counts them instead as paged state holds them
+(issue 26: what `ds4jax serve --paged --state-dtype DTYPE` retains; its batch rows are still
+dense states at their tokens' span, counted here as the per-session parts they will be):
+a session at the context's length holds its pages and one per-session part (`model.pages`,
+in that dtype); its fork point shares the full pages and adds at most its partial page and
+a per-session part; batch rows hold no copies, only the per-session parts they move.
+Either way `sessions_fit` is how many sessions of that length (each with its fork point)
+the room left after the weights and the batch holds.
 """
 
 from __future__ import annotations
@@ -119,7 +121,10 @@ def describe(name: str, plans: list[MeshPlan], *, devices: int, hbm_gb: float, c
         held = f"{STATES_PER_SESSION * sessions} states: live frontiers and fork points"
         rows = f"{max_batch} rows + the empty state"
     else:
-        kind = f"paged {paged} states (issue 26: not yet what `ds4jax serve` holds)"
+        kind = (
+            f"paged {paged} states (as `ds4jax serve --paged --state-dtype {paged}` "
+            "retains them; its batch rows are still dense, at their tokens' span)"
+        )
         held = f"{sessions} sessions' pages and fork points"
         rows = f"{max_batch} rows' per-session parts"
     lines = [

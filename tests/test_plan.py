@@ -81,5 +81,5 @@ def test_cli_labels_paged_plans_as_not_yet_served(capsys) -> None:
             "--weights", "fp8", "--paged-state", "fp8"]  # fmt: skip
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "paged fp8 states (issue 26: not yet what `ds4jax serve` holds)" in out
+    assert "paged fp8 states (as `ds4jax serve --paged --state-dtype fp8` retains them" in out
     assert "fits: yes" in out and "sessions of 65,536 that fit" in out
