@@ -283,6 +283,10 @@ TABLES: dict[str, list[tuple[str, Callable[[Row], list[Row]]]]] = {
     "metrics": [("decode", metrics_decode_rows), ("scrape", metrics_scrape_rows)],
     "paged": [("bytes", lambda rep: list(rep["rows"]))],
     "context": [("speed", lambda rep: list(rep["rows"]))],
+    "memory": [("agents", lambda rep: [{k: v for k, v in rep["agents"].items()
+                                        if k != "prompt_tokens"}]),
+               ("retries", lambda rep: [{k: v for k, v in rep["retries"].items()
+                                         if k != "sources"}])],
 }  # fmt: skip
 
 

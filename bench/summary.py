@@ -271,6 +271,17 @@ def context(rep: Row) -> list[Row]:
     ]  # fmt: skip
 
 
+def memory(rep: Row) -> list[Row]:
+    a, r = rep["agents"], rep["retries"]
+    at = f"{rep['model']}, ctx {a['context']}, 8 agents x {a['prompt_tokens'][0]} tokens"
+    return [
+        ratio("memory", "retained bytes at the context's capacity / with spans", at,
+              a["full_capacity_bytes"], a["state_bytes"], "B"),
+        ratio("memory", f"pages added per retry of a {r['prompt_tokens']}-token prompt",
+              f"{rep['model']}, paged", r["pages_added"], r["retries"], "pages"),
+    ]  # fmt: skip
+
+
 PARTS = {
     "prompt": prompt,
     "model": model,
@@ -284,6 +295,7 @@ PARTS = {
     "metrics": metrics,
     "paged": paged,
     "context": context,
+    "memory": memory,
 }
 
 

@@ -1,5 +1,6 @@
 """`ds4jax.fidelity`: the measures, the client model, and one live tool loop on the tiny model
-whose replays are checked against the live ids (identity replay ≈ 0, splices = renders)."""
+whose replays are checked against the live ids (identity replay ≈ 0, splices = renders);
+state-dtype drift along a demo tool loop on the trained demo model."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from ds4jax import fidelity
 from ds4jax.chat import specials
 from ds4jax.chat.segments import template
 from ds4jax.continuation.types import CacheSource
+from ds4jax.demo.corpus import held_out_tasks
+from ds4jax.demo.evaluate import HELD_OUT_SEED
 from ds4jax.engine import Engine
 
 
@@ -153,3 +156,25 @@ def test_summary_and_table(measured: fidelity.ConversationResult) -> None:
     counts = fidelity.factor_counts(report)
     assert counts["conversations"] == 2
     assert sum(counts[f"client {c}"] for c in fidelity.CLIENTS) == 2
+
+
+# ------------------------------------------------- state-dtype drift, on the trained demo model
+
+
+def test_state_dtype_drift_along_a_demo_tool_loop() -> None:
+    """f32 against itself is exactly the same; an fp8 state moves the distributions (the
+    measure can fail), and on the trained model the loop is the model's own."""
+    engine = fidelity.load_model("demo", max_len=1024)
+    (task,) = held_out_tasks(1, HELD_OUT_SEED, "single")
+    ids, mask = loop = fidelity.demo_loop(engine.tokenizer, task, thinking=False)
+    assert mask.any() and ids[-1] == engine.tokenizer.eos_id  # the answer's EOS, forced
+    drift = fidelity.state_dtype_drift(engine, [loop], ("f32", "fp8"))
+    same, fp8 = drift["f32"], drift["fp8"]
+    assert same.kl.shape == same.top1.shape == (len(ids) - 1,)
+    assert (same.kl == 0).all() and same.top1.all()
+    s, everywhere = fp8.summary(), fp8.summary(assistant=False)
+    assert s["positions"] == mask[1:].sum() and everywhere["positions"] == len(ids) - 1
+    assert s["kl_mean"] > 0 and everywhere["kl_max"] > 0 and 0 < everywhere["top1"] <= 1
+    assert s["forced_top1"] > 0.9
+    table = fidelity.format_drift(drift)
+    assert "\nfp8    assistant" in table and "1 loops" in table

@@ -33,6 +33,7 @@ def _text(cell) -> str:
 
 def test_the_fidelity_notebook_runs_with_small_settings() -> None:
     small = {"N_CONVERSATIONS": 2, "POSITIONS": 3, "REASONING_TOKENS": 8}
+    small |= {"DRIFT_LOOPS": 1, "DRIFT_DTYPES": ("fp8",)}  # one loop of each kind
     nb = _execute_module().execute(
         NOTEBOOK, small, timeout=600, append=["import sys\nprint(sys.prefix)"]
     )
@@ -44,6 +45,8 @@ def test_the_fidelity_notebook_runs_with_small_settings() -> None:
     for kind in [*fidelity.KINDS, fidelity.OTHER]:
         assert f"\n{kind} " in table
     assert "2/2 conversations" in "".join(_text(c) for c in code)
+    drift = next(_text(c) for c in code if "3 loops" in _text(c))  # the state-dtype table
+    assert "\nfp8    assistant" in drift and "\nfp8    all" in drift
     images = [o for c in code for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(images) == 1
     assert any(c.cell_type == "markdown" and c.source.startswith("## Conclusion") for c in nb.cells)

@@ -9,6 +9,10 @@ none is expected; the client executes them (`corpus.run_tool`) and sends the res
 every result. A reply without calls must quote what it answers from (chat and refusals only
 have to make no call). The bars (issue 18): single calls 90%, parallel calls 80%, follow-up
 rounds 80%, out-of-scope prompts without a call 90%.
+
+`--state-dtype` holds every KV row of the decode state in f32 (the default), bf16 or fp8 (the
+release's record; `Config.state_dtype`), same params: issue 26 lets fp8 become the default
+only if these scores stay within 2 points of f32's.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from ds4jax.engine import Engine, Result
 HELD_OUT_SEED = 1_000_003
 #: kind → the share of held-out tasks that must come out right
 BARS = {"single": 0.9, "parallel": 0.8, "followup": 0.8, "refusal": 0.9}
+#: how a decode state's rows can be held (`Config.state_dtype`)
+STATE_DTYPES = ("f32", "bf16", "fp8")
 
 
 @dataclass
@@ -131,19 +137,31 @@ def score(
     }
 
 
+def make_engine(model: str, state_dtype: str = "f32") -> Engine:
+    """The engine the evaluation serves from: the checkpoint's params as they are, its config
+    with `state_dtype` replaced — only how the state's rows are stored changes, so a score
+    difference is the state's rounding."""
+    from ds4jax.model.checkpoint import load_model
+
+    cfg, params, tokenizer, _ = load_model(model)
+    return Engine(cfg.replace(state_dtype=state_dtype), params, tokenizer, max_len=1024)
+
+
 def main(argv: list[str] | None = None) -> int:
     from ds4jax.demo.train import DEMO_DIR
-    from ds4jax.model.checkpoint import load_model
 
     ap = argparse.ArgumentParser(prog="python -m ds4jax.demo.evaluate", description=__doc__)
     ap.add_argument("--model", default=str(DEMO_DIR))
     ap.add_argument("-n", type=int, default=50, help="held-out tasks of each kind")
     ap.add_argument("--thinking", choices=("on", "off"), default="on")
     ap.add_argument("--seed", type=int, default=HELD_OUT_SEED, help="held-out draw")
+    ap.add_argument(
+        "--state-dtype", choices=STATE_DTYPES, default="f32", help="how the state's rows are held"
+    )
     ap.add_argument("-v", "--verbose", action="store_true", help="print every task")
     args = ap.parse_args(argv)
-    cfg, params, tokenizer, _ = load_model(args.model)
-    engine = Engine(cfg, params, tokenizer, max_len=1024)
+    engine = make_engine(args.model, args.state_dtype)
+    print(f"state dtype {engine.cfg.state_dtype}, thinking {args.thinking}, seed {args.seed}")
     results = score(engine, args.n, thinking=args.thinking == "on", seed=args.seed)
     failed = False
     for kind, outcomes in results.items():

@@ -34,7 +34,9 @@ rounding with quant_sim off).
 The package, by what each module holds: `measures` (KL, top-1 agreement, entropy, shared
 prefix), `conversations` (the simulated agent, its tools and clients), `trajectory` (the model
 and the live tool loop), `replays` (the replay kinds and one conversation measured),
-`study` (`run` over many conversations, the summary table and factor counts).
+`study` (`run` over many conversations, the summary table and factor counts), `state_drift`
+(how far a bf16 or fp8 decode state moves the distributions from an f32 one, teacher-forced
+along demo tool loops: issue 26's fidelity check).
 """
 
 from __future__ import annotations
@@ -65,6 +67,15 @@ from ds4jax.fidelity.replays import (
     replay_logits,
     splice_ids,
 )
+from ds4jax.fidelity.state_drift import (
+    DTYPES,
+    Drift,
+    demo_loop,
+    demo_loops,
+    format_drift,
+    state_dtype_drift,
+    teacher_forced_logits,
+)
 from ds4jax.fidelity.study import (
     OTHER,
     KindSummary,
@@ -85,6 +96,7 @@ from ds4jax.fidelity.trajectory import (
 
 __all__ = [
     "CLIENTS",
+    "DTYPES",
     "KINDS",
     "KIND_LABELS",
     "OTHER",
@@ -92,6 +104,7 @@ __all__ = [
     "TASKS",
     "TOOLS",
     "ConversationResult",
+    "Drift",
     "KindResult",
     "KindSummary",
     "Report",
@@ -101,9 +114,12 @@ __all__ = [
     "canonical_call_ids",
     "client_roundtrip",
     "common_prefix",
+    "demo_loop",
+    "demo_loops",
     "emittable",
     "entropy",
     "factor_counts",
+    "format_drift",
     "format_table",
     "kl_divergence",
     "live_trajectory",
@@ -115,6 +131,8 @@ __all__ = [
     "sampled_dsml",
     "sampled_ids",
     "splice_ids",
+    "state_dtype_drift",
     "summarize",
+    "teacher_forced_logits",
     "top1_agreement",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from ds4jax.demo.evaluate import BARS, Outcome, score
+from ds4jax.demo.evaluate import BARS, Outcome, main, score
 from ds4jax.demo.train import DEMO_DIR
 from ds4jax.engine import Engine
 from ds4jax.model.checkpoint import load_model
@@ -50,3 +50,9 @@ def test_every_tool_result_turn_continues_live(outcomes: dict[str, list[Outcome]
     assert rounds and all(r.continued_live for r in rounds)
     assert {r.ids for r in rounds} >= {1, 2, 3}
     assert {r.ids for r in rounds if r.calls_ok} >= {1, 2}
+
+
+def test_evaluate_serves_from_states_of_the_dtype_asked(capsys: pytest.CaptureFixture) -> None:
+    """`--state-dtype` reaches the engine's config (no task run: `-n 0`)."""
+    assert main(["-n", "0", "--state-dtype", "fp8"]) == 0
+    assert capsys.readouterr().out.startswith("state dtype fp8, thinking on")
