@@ -1,7 +1,9 @@
 """Disk checkpoints (`ds4jax.kvstore.disk.DiskStore`): what a save and a restore cost, and
 what a restart gains over a cold prefill.
 
-* Throughput of a 16k-token state: `DiskStore.save` (device → host copy of the live rows,
+* Throughput of a 16k-token state, in f32 and with fp8 rows (`Config.state_dtype`: the
+  rows stored as the release's records, decoded on load): `DiskStore.save` (device → host
+  copy of the live rows,
   checksums, Orbax write, metadata, rename) and `lookup` + `DiskHit.load` (checksums, Orbax
   read, scatter into the full-capacity state), in MB/s of live state bytes, against Orbax
   alone on the same arrays and against a raw sequential write (numpy `tofile` + fsync) and
@@ -103,20 +105,20 @@ def _raw_io(arrays: dict[str, np.ndarray], path: Path) -> tuple[float, float]:
     return t1 - t0, t2 - t1
 
 
-def throughput(config: str, n: int, reps: int, root: Path) -> dict[str, Any]:
+def throughput(config: str, n: int, reps: int, root: Path, dtype: str = "f32") -> dict[str, Any]:
     import jax
 
     from ds4jax.config import load_config
     from ds4jax.kvstore import disk
     from ds4jax.kvstore.payload import manifest, pack, payload_bytes
 
-    cfg = load_config(config)
+    cfg = load_config(config).replace(state_dtype=dtype)  # rows stored as its records
     max_len = n + 256
     state = random_state(cfg, n, max_len)
     arrays = pack(state, n, cfg)
     nbytes = payload_bytes(arrays)
     tokens = tuple(int(t) for t in np.random.default_rng(1).integers(2, 1000, n))
-    directory = root / config
+    directory = root / f"{config}-{dtype}"
     store = disk.DiskStore(directory, "bench", cfg=cfg, max_len=max_len, min_tokens=1,
                            budget_mb=1 << 20)  # fmt: skip
     times: dict[str, list[float]] = {k: [] for k in ("save", "load", "orbax_w", "orbax_r")}
@@ -137,7 +139,7 @@ def throughput(config: str, n: int, reps: int, root: Path) -> dict[str, Any]:
         t3 = time.perf_counter()
         times["save"].append(t1 - t0)
         times["load"].append(t3 - t2)
-        orbax_dir = root / f"orbax-{config}-{r}"
+        orbax_dir = root / f"orbax-{config}-{dtype}-{r}"
         t0 = time.perf_counter()
         disk._write_payload(orbax_dir, arrays)
         t1 = time.perf_counter()
@@ -146,15 +148,17 @@ def throughput(config: str, n: int, reps: int, root: Path) -> dict[str, Any]:
         shutil.rmtree(orbax_dir)
         times["orbax_w"].append(t1 - t0)
         times["orbax_r"].append(t2 - t1)
-        w, rd = _raw_io(arrays, root / f"raw-{config}.bin")
+        w, rd = _raw_io(arrays, root / f"raw-{config}-{dtype}.bin")
         times["raw_w"].append(w)
         times["raw_r"].append(rd)
     shutil.rmtree(directory)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
         "config": config,
+        "state_dtype": dtype,
         "tokens": n,
         "live_bytes": nbytes,
+        "bytes_per_token": round(nbytes / n, 1),
         "reps": reps,
         "first_save_s": round(first_save, 3),
         "seconds": {k: round(v, 4) for k, v in med.items()},
@@ -228,7 +232,9 @@ def run(quick: bool) -> dict[str, Any]:
     use_compile_cache()
     root = Path(tempfile.mkdtemp(prefix="ds4jax-bench-disk-"))
     try:
-        configs = ("tiny", "bench-192m") if quick else ("tiny", "bench-192m", "deepseek-v4-flash")
+        configs = [("tiny", "f32"), ("bench-192m", "f32"), ("bench-192m", "fp8")]
+        if not quick:
+            configs += [("deepseek-v4-flash", "f32"), ("deepseek-v4-flash", "fp8")]
         rep: dict[str, Any] = {
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "quick": quick,
@@ -236,11 +242,12 @@ def run(quick: bool) -> dict[str, Any]:
             "throughput": [],
         }
         log(f"disk checkpoints under {root}")
-        for name in configs:
-            t = throughput(name, 16384, 2 if quick else 3, root)
+        for name, dtype in configs:
+            t = throughput(name, 16384, 2 if quick else 3, root, dtype)
             rep["throughput"].append(t)
             m = t["MB_per_s"]
-            log(f"  {name}: {t['live_bytes'] / MB:.1f} MB, save {m['save']:.0f} MB/s, "
+            log(f"  {name} {dtype}: {t['live_bytes'] / MB:.1f} MB ({t['bytes_per_token']:.0f} "
+                f"B a token), save {m['save']:.0f} MB/s, "
                 f"load {m['load']:.0f} MB/s (raw {m['raw_w']:.0f} / {m['raw_r']:.0f})")  # fmt: skip
         rep["restart"] = restart((1024, 4096) if quick else (4096, 16384), root)
         rep["loadavg_end"] = list(os.getloadavg())
@@ -252,13 +259,14 @@ def run(quick: bool) -> dict[str, Any]:
 def print_table(rep: dict[str, Any]) -> None:
     log("\n16k-token state, MB/s of live bytes (median), page cache warm for reads")
     log(
-        f"{'config':<18} {'MB':>8} {'save':>8} {'load':>8} {'orbax w':>8} {'orbax r':>8} "
+        f"{'config':<22} {'MB':>8} {'save':>8} {'load':>8} {'orbax w':>8} {'orbax r':>8} "
         f"{'raw w+fsync':>12} {'raw r':>8}"
     )
     for t in rep["throughput"]:
         m = t["MB_per_s"]
         log(
-            f"{t['config']:<18} {t['live_bytes'] / MB:>8.1f} {m['save']:>8.0f} {m['load']:>8.0f} "
+            f"{t['config'] + ' ' + t.get('state_dtype', 'f32'):<22} {t['live_bytes'] / MB:>8.1f} "
+            f"{m['save']:>8.0f} {m['load']:>8.0f} "
             f"{m['orbax_w']:>8.0f} {m['orbax_r']:>8.0f} {m['raw_w']:>12.0f} {m['raw_r']:>8.0f}"
         )
     log(f"\nrestart (tiny model): cold prefill of n + {SUFFIX} vs open + load + suffix prefill")

@@ -114,7 +114,8 @@ def disk(rep: Row) -> list[Row]:
     """Save and load of the largest state against raw I/O of the same bytes, and the restart
     (load + suffix prefill) against a cold prefill."""
     t = max(rep["throughput"], key=lambda t: t["live_bytes"])
-    at = f"{t['config']}, {t['tokens']} tokens ({t['live_bytes'] / 1e6:.0f} MB)"
+    at = (f"{t['config']} {t.get('state_dtype', 'f32')}, {t['tokens']} tokens "
+          f"({t['live_bytes'] / 1e6:.0f} MB)")  # fmt: skip
     m = t["MB_per_s"]
     out = [
         ratio("disk", "raw write+fsync / DiskStore save MB/s", at, m["raw_w"], m["save"], "MB/s"),

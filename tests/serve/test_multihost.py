@@ -130,8 +130,10 @@ def test_disk_checkpoints_of_the_group_serve_it_and_one_process(
     from ds4jax.engine import Engine
     from ds4jax.kvstore.disk import DiskStore
     from ds4jax.model.checkpoint import load_model
+    from serve.main import default_state_dtype
 
     cfg, params, tok, _ = load_model("demo")
+    cfg = cfg.replace(state_dtype=default_state_dtype())  # as the group serves it
     store = DiskStore.for_model(served_group.kv_dir, cfg, params, tok, max_len=2048)
     body = {"system": SYSTEM, "tools": TOOLS,
             "messages": [{"role": "user", "content": "What's the weather in Lima?"}]}  # fmt: skip
@@ -139,7 +141,11 @@ def test_disk_checkpoints_of_the_group_serve_it_and_one_process(
     assert hit is not None and len(hit.tokens) == got.usage.cache_read_input_tokens
     restored = hit.load()  # the group's checkpoint, same model fingerprint, one device
     cold = Engine(cfg, params, tok, max_len=2048, chunk_sizes=(256,)).logits_for(hit.tokens)
-    assert abs(cold - jax.device_get(restored.logits)).max() <= 1e-5
+    got_logits = jax.device_get(restored.logits)
+    # f32 states agree to rounding; rounded rows (bf16, fp8) also agree up to the odd
+    # rounding flip between the group's chunking and this one (tests/model/test_state_dtype)
+    tol = 1e-5 if cfg.state_dtype == "f32" else 1e-2
+    assert abs(cold - got_logits).max() <= tol and cold.argmax() == got_logits.argmax()
 
 
 def health(url: str) -> int:

@@ -10,7 +10,7 @@ import numpy as np
 
 from ds4jax.engine import PAGED_START, SamplingParams
 from ds4jax.model.pages import page_bytes
-from serve.main import add_arguments, build_engine, default_state_memory
+from serve.main import add_arguments, build_engine, default_state_dtype, default_state_memory
 
 
 def _engine(*flags: str):
@@ -43,7 +43,8 @@ def test_fp8_paged_states_with_a_memory_budget() -> None:
 
 def test_the_default_budget_is_a_share_of_the_memory_after_the_weights() -> None:
     engine, _ = _engine()
-    assert engine.cfg.state_dtype == "f32" and engine.pages is None
+    assert engine.cfg.state_dtype == default_state_dtype() == "fp8"  # measured on CPU
+    assert engine.pages is None
     assert engine.pool.budget == default_state_memory(engine_weights(engine))
     assert 0 < default_state_memory(0) - default_state_memory(2**20) <= 2**20
 
