@@ -173,7 +173,7 @@ def restart(ns: tuple[int, ...], root: Path) -> list[dict[str, Any]]:
     from ds4jax.kvstore.disk import DiskStore
     from ds4jax.model.forward import prefill
     from ds4jax.model.params import init_params
-    from ds4jax.model.state import init_state
+    from ds4jax.model.state import init_state, span_for, spans
 
     cfg = load_config("tiny")
     params = init_params(cfg, 0)
@@ -181,8 +181,13 @@ def restart(ns: tuple[int, ...], root: Path) -> list[dict[str, Any]]:
     chunks = (64, 512)
     empty = init_state(cfg, max_len)
     t0 = time.perf_counter()
-    for size in chunks:  # compile (or load from the persistent cache) outside the timings
-        jax.block_until_ready(prefill(params, empty, [0] * size, cfg, chunk_sizes=(size,)))
+    # compile (or load from the persistent cache) outside the timings: at the context's
+    # capacity (the cold prefill) and at each restored state's span (`model.state.spans`)
+    spans_ = spans(cfg, max_len)
+    for cap in {max_len, *(span_for(spans_, n + SUFFIX) for n in ns)}:
+        for size in chunks:
+            jax.block_until_ready(prefill(params, init_state(cfg, cap), [0] * size, cfg,
+                                          chunk_sizes=(size,)))  # fmt: skip
     log(f"  tiny: compiled chunks {chunks} at max_len {max_len} in {time.perf_counter() - t0:.1f}s")
     out = []
     for n in ns:

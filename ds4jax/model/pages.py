@@ -20,6 +20,7 @@ back over rejected draft tokens by resetting its length (`speculative-decoding.m
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -106,13 +107,8 @@ def rows_to_bytes(rows: Any, rope: int, dtype: str, index: bool = False) -> np.n
 def rows_from_bytes(data: np.ndarray, width: int, rope: int, dtype: str,
                     index: bool = False) -> np.ndarray:  # fmt: skip
     """The float32 rows `rows_to_bytes` stored (`width` values each)."""
-
-    def spec() -> dict[str, Any]:
-        zero = jnp.zeros((1, width), jnp.float32)
-        return encode_index_rows(zero, dtype) if index else encode_rows(zero, rope, dtype)
-
     parts, off = {}, 0
-    for k, like in sorted(jax.eval_shape(spec).items()):
+    for k, like in _record_spec(width, rope, dtype, index):
         size = int(np.prod(like.shape[1:], dtype=np.int64)) * like.dtype.itemsize
         raw = np.ascontiguousarray(data[:, off : off + size])
         parts[k] = raw.view(like.dtype).reshape(data.shape[0], *like.shape[1:])
@@ -121,6 +117,18 @@ def rows_from_bytes(data: np.ndarray, width: int, rope: int, dtype: str,
         raise ValueError(f"{data.shape[-1]} bytes a row, the {dtype} record has {off}")
     decode = decode_index_rows if index else decode_rows
     return np.asarray(decode({k: jnp.asarray(v) for k, v in parts.items()}))
+
+
+@functools.lru_cache(maxsize=64)
+def _record_spec(width: int, rope: int, dtype: str, index: bool) -> tuple[tuple[str, Any], ...]:
+    """A record's parts (name, shape and dtype of one row's), in storage order: traced once
+    per layout, not once per layer of every load."""
+
+    def spec() -> dict[str, Any]:
+        zero = jnp.zeros((1, width), jnp.float32)
+        return encode_index_rows(zero, dtype) if index else encode_rows(zero, rope, dtype)
+
+    return tuple(sorted(jax.eval_shape(spec).items()))
 
 
 def _as_bytes(part: np.ndarray) -> np.ndarray:
