@@ -673,11 +673,11 @@ class Engine:
         if bt is not None and live_segments[-1:] == (THINK_START_SEGMENT,):
             # kept first, and the prompt end grown from it: one token further, so it appends
             # in place and the two share every page
-            bt = self._keep(bt, len(tokens) - 1, base)
+            bt = self._keep(bt, tokens[:-1], base)
             base = bt if isinstance(bt, PagedFrontier) else base
         else:
             bt = None
-        kept = self._keep(state, len(tokens), base)
+        kept = self._keep(state, tokens, base)
         ticket.prompt_paged = kept if self.pages is not None else None
         prompt_end = LiveFrontier(kept, tuple(tokens), live_segments)
         with self._state_lock:
@@ -798,13 +798,15 @@ class Engine:
         self._batch = self._place_batch(resize(self._batch, cfg=self.cfg, span=span))
         self._batch_span = span
 
-    def _keep(self, state: Any, tokens: int, base: Any) -> Any:
-        """What a retained frontier holds of `state` (`tokens` tokens): itself, or with
-        paged frontiers its pages, grown from `base`'s."""
+    def _keep(self, state: Any, ids: Sequence[int], base: Any) -> Any:
+        """What a retained frontier holds of `state` (of the tokens `ids`): itself, or with
+        paged frontiers its pages, grown from `base`'s and shared where another frontier's
+        pages hold the same prefix."""
         if self.pages is None:
             return state
+        tokens = len(ids)
         try:
-            return self.pages.keep(state, tokens, base)
+            return self.pages.keep(state, tokens, base, ids)
         except OutOfPages as err:  # kept dense instead: correct, and the budget counts it so
             log.warning("page pool full (%s): a frontier of %d tokens kept whole", err, tokens)
             return state
@@ -815,7 +817,7 @@ class Engine:
         live = session.live
         if live is None or live.state is not state:
             return
-        kept = self._keep(state, live.pos, base)
+        kept = self._keep(state, live.tokens, base)
         if kept is state:
             return
         paged = replace(live, state=kept)

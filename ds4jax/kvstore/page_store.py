@@ -6,6 +6,11 @@ once. A request still runs on a dense state: the base it continues is materializ
 prefill, and the state a prefill or a decode leaves is written back as pages, growing from
 the base's table (`kvstore.pages`: only the pages past the shared ones are written).
 
+Conversations that merely start alike share too: a full page is indexed by the token
+prefix it closes, and a frontier written later whose page closes the same prefix with the
+same bytes (two cold prefills of one system prompt, chunked alike) points at the page
+already held instead (`_share`) — memory only: the prefill still ran.
+
 Pages go back to the pool when the last frontier holding them is dropped: each
 `PagedFrontier` carries a finalizer that queues its table, and the queue is drained by the
 engine's thread before it next takes pages, so the pool is only ever changed there.
@@ -13,9 +18,10 @@ engine's thread before it next takes pages, so the pool is only ever changed the
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -27,6 +33,19 @@ from ds4jax.kvstore.pages import PAGE_TOKENS, OutOfPages, PagePool, PageTable
 from ds4jax.model import page_io
 from ds4jax.model import pages as layout
 from ds4jax.model.state import DecodeState, init_state, span_for
+
+
+def prefix_keys(token_ids: Sequence[int], pages: int) -> list[bytes]:
+    """One key per full page: a hash chained over the token ids up to that page's end, so
+    two frontiers' k-th pages have the same key exactly when their first (k+1)·256 tokens
+    are the same (vLLM's prefix-caching block hash, for memory only here)."""
+    ids = np.asarray(token_ids[: pages * PAGE_TOKENS], np.int64)
+    out, h = [], b""
+    for k in range(pages):
+        h = hashlib.blake2b(h + ids[k * PAGE_TOKENS : (k + 1) * PAGE_TOKENS].tobytes(),
+                            digest_size=16).digest()  # fmt: skip
+        out.append(h)
+    return out
 
 
 class PageStore:
@@ -48,12 +67,19 @@ class PageStore:
             int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes)
         )
         self._released: deque[PageTable] = deque()
+        #: full pages by the tokens they close (`prefix_keys`), while held: what another
+        #: conversation's identical prefix shares
+        self._by_key: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
 
     def keep(
-        self, state: DecodeState, tokens: int, base: page_io.PagedFrontier | None = None
-    ) -> page_io.PagedFrontier:
+        self, state: DecodeState, tokens: int, base: page_io.PagedFrontier | None = None,
+        token_ids: Sequence[int] | None = None,
+    ) -> page_io.PagedFrontier:  # fmt: skip
         """`state` (a dense state of `tokens` tokens) as a paged frontier; `base`, a paged
-        frontier whose tokens `state` extends, lends it every page they share."""
+        frontier whose tokens `state` extends, lends it every page they share. With its
+        `token_ids`, each full page it wrote is shared with a held page that closes the same
+        token prefix and holds the same bytes (`_share`)."""
         self._drain()
         while True:
             try:
@@ -70,6 +96,8 @@ class PageStore:
                 self._extend(max(self.pool.num_pages, err.wanted))
         self.arrays = page_io.copy(self.arrays, copies)
         self.arrays = page_io.write(self.arrays, state, table, self.cfg, self.dtype, first)
+        if token_ids is not None:
+            table = self._share(table, first, token_ids)
         frontier = page_io.PagedFrontier(table, page_io.small_part(state))
         weakref.finalize(frontier, self._released.append, table)
         return frontier
@@ -89,6 +117,42 @@ class PageStore:
                                               self.arrays, more))  # fmt: skip
         self.pool.extend(pages)
 
+    def _share(self, table: PageTable, first: int, token_ids: Sequence[int]) -> PageTable:
+        """Full pages `first`… of a table just written, each swapped for an identical held
+        page closing the same prefix, or indexed for the next one. Only pages whose bytes
+        are the same are shared (compared on the device): the frontier reads exactly the
+        rows it wrote, whichever prefill made the page it now points at."""
+        keys = prefix_keys(token_ids, table.tokens // PAGE_TOKENS)
+        ours, theirs = [], []
+        for k in range(first, len(keys)):
+            page, held = table.pages[k], self._by_key.get(keys[k])
+            if held is None or self.pool.refs[held] <= 0:
+                self._by_key[keys[k]], self._key_of[page] = page, keys[k]
+            elif held != page:
+                ours.append(k)
+                theirs.append(held)
+        if not ours:
+            return table
+        width = 1 << (len(ours) - 1).bit_length()  # a few compiled widths, not one per count
+        pad = [0] * (width - len(ours))
+        a = np.asarray([table.pages[k] for k in ours] + pad, np.int32)
+        same = np.asarray(page_io.same_pages(self.arrays, a, np.asarray(theirs + pad, np.int32)))
+        for k, held, eq in zip(ours, theirs, same, strict=False):
+            if eq:
+                table = self.pool.substitute(table, k, held)
+        self._forget_freed(a)
+        return table
+
+    def _forget_freed(self, pages: Any) -> None:
+        for p in pages:
+            p = int(p)
+            if p in self._key_of and self.pool.refs[p] == 0:
+                key = self._key_of.pop(p)
+                if self._by_key.get(key) == p:
+                    del self._by_key[key]
+
     def _drain(self) -> None:
         while self._released:
-            self.pool.release(self._released.popleft())
+            table = self._released.popleft()
+            self.pool.release(table)
+            self._forget_freed(table.pages)

@@ -115,6 +115,18 @@ class PagePool:
             self.refs[p] += 1
         return table
 
+    def substitute(self, table: PageTable, k: int, page: int) -> PageTable:
+        """`table` with its `k`-th page, a full one, replaced by `page`: a held page whose
+        rows are bit for bit the same (a sub-agent's system prompt another conversation
+        prefilled). The reference moves; `table`'s own page is freed if nothing else holds
+        it. The caller drops `table` for the returned one."""
+        old = table.pages[k]
+        if (k + 1) * PAGE_TOKENS > table.tokens or self.refs[page] <= 0 or page == old:
+            raise ValueError(f"page {k} of {table} cannot take page {page}")
+        self.refs[page] += 1
+        self.release(PageTable((old,), PAGE_TOKENS))
+        return PageTable((*table.pages[:k], page, *table.pages[k + 1 :]), table.tokens)
+
     def release(self, table: PageTable) -> None:
         for p in table.pages:
             assert self.refs[p] > 0, f"page {p} released more often than held"

@@ -98,6 +98,22 @@ def _copy_page(arrays: Arrays, src: jax.Array, dst: jax.Array) -> Arrays:
     return jax.tree.map(lambda a: a.at[dst].set(a[src]), arrays)
 
 
+def _bits(a: jax.Array) -> jax.Array:
+    """An array's bits as unsigned integers: equal exactly when the stored bytes are."""
+    kind = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[a.dtype.itemsize]
+    return a if a.dtype == kind else jax.lax.bitcast_convert_type(a, kind)
+
+
+@jax.jit
+def same_pages(arrays: Arrays, a: jax.Array, b: jax.Array) -> jax.Array:
+    """Per pair i, whether pages `a[i]` and `b[i]` hold the same bytes in every layer."""
+    eq = jnp.ones(a.shape, bool)
+    for leaf in jax.tree.leaves(arrays):
+        x, y = _bits(leaf[a]), _bits(leaf[b])
+        eq &= jnp.all((x == y).reshape(a.shape[0], -1), axis=1)
+    return eq
+
+
 def copy(arrays: Arrays, copies: list[Copy]) -> Arrays:
     """Carry out the copies `PagePool.grow` asked for (whole pages: the rows past a copy's
     token count are never read through the new table, and the step rewrites them)."""

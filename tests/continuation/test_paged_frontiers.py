@@ -113,3 +113,24 @@ def test_the_state_before_think_and_the_prompt_end_share_their_pages(engines) ->
     before, end = sorted((f.frontier for f in paged.pool.forks if f.frontier.pos <=
                           r_paged.cached + 1), key=lambda f: f.pos)[-2:]  # fmt: skip
     assert end.pos == before.pos + 1 and end.state.table.pages == before.state.table.pages
+
+
+def test_sub_agents_on_one_system_prompt_store_its_full_pages_once(engines) -> None:
+    """Two conversations that start with the same long system prompt and tools but ask
+    different things: both prefill cold, and the second's frontiers point at the first's
+    full pages of the shared prefix; the replies are the dense engine's."""
+    dense, paged = engines
+    system = SYSTEM * 40
+
+    def body(ask: str) -> dict:
+        return {"system": system, "tools": TOOLS, "messages": [{"role": "user", "content": ask}]}
+
+    asks = ["List the files, please.", "Which test fails?"]
+    want = [(r.source, r.raw_text) for r in
+            (fresh(dense, 4).run(prepared(dense, body(a), 3)) for a in asks)]  # fmt: skip
+    engine = fresh(paged, 4)
+    got = [engine.run(prepared(engine, body(a), 3)) for a in asks]
+    assert [(r.source, r.raw_text) for r in got] == want
+    first, second = (engine.pool.sessions[r.session].live.state.table for r in got)
+    common = min(r.prompt_tokens for r in got) // 256 - 1  # full pages before the asks differ
+    assert common >= 1 and first.pages[:common] == second.pages[:common]

@@ -95,30 +95,37 @@ def test_spanned_states_serve_interleaved_conversations_as_full_ones(pair, plan)
 
 
 def test_the_batch_grows_when_a_row_reaches_its_span_and_shrinks_after(pair) -> None:
-    """Two rows decode together; the longer one crosses a span boundary mid-reply (the base
-    is set just past its prompt) and the batch grows under both; once both left, the batch
-    is back at the smallest span. The replies are the full-capacity engine's."""
-    full, _ = pair
-    full = fresh(full, 4)
-    long_body = {"system": SYSTEM * 6, "tools": TOOLS,
-                 "messages": [{"role": "user", "content": "List the files, please."}]}  # fmt: skip
-    short_body = {"messages": [{"role": "user", "content": "Hi."}]}
-    n_long = len(prepared(full, long_body, 1).view.tokens)
-    engine = Engine(full.cfg, full.params, full.tokenizer, max_len=full.max_len,
-                    chunk_sizes=full.chunk_sizes, sessions=4, fork_points=True, max_batch=4,
-                    span_base=n_long + 5)  # fmt: skip
-    assert engine.spans[0] == n_long + 5
-    want = [full.run(prepared(full, b, 12)) for b in (long_body, short_body)]
-    tickets = [engine.submit(prepared(engine, b, 12)) for b in (long_body, short_body)]
-    grew = False
+    """Two rows decode together; the longer one's prompt ends just before the 512 span's
+    end, so it crosses into the next span mid-reply and the batch grows under both; once
+    both left, the batch is back at its smallest span. The replies are the full-capacity
+    engine's."""
+    full, engine = pair
+    full, engine = fresh(full, 4), fresh(engine, 4)
+
+    def long_body(pad: int) -> dict:
+        ask = "List the files, please." + " x" * pad
+        messages = [{"role": "user", "content": ask}]
+        return {"system": SYSTEM * 6, "tools": TOOLS, "messages": messages}
+
+    pad = 0  # words are added until the prompt ends 8 tokens before the span's end
+    while len(prepared(engine, long_body(pad + 8), 1).view.tokens) <= 512 - 8:
+        pad += 8
+    while len(prepared(engine, long_body(pad + 1), 1).view.tokens) <= 512 - 8:
+        pad += 1
+    bodies = [long_body(pad), {"messages": [{"role": "user", "content": "Hi."}]}]
+    n_long = len(prepared(engine, bodies[0], 1).view.tokens)
+    assert 512 - 16 < n_long <= 512 - 8
+    want = [full.run(prepared(full, b, 12)) for b in bodies]
+    tickets = [engine.submit(prepared(engine, b, 12)) for b in bodies]
+    spans_seen = set()
     while not all(t.finished.is_set() for t in tickets):
         engine.tick()
-        grew |= engine._batch_span > engine.spans[0]
+        spans_seen.add(engine._batch_span)
     got = [t.result for t in tickets]
     assert [r.raw_text for r in got] == [r.raw_text for r in want]
-    assert got[0].prompt_tokens + got[0].output_tokens > engine.spans[0]  # it did cross
-    assert grew and engine._batch_span == engine.spans[0]
+    assert got[0].prompt_tokens + got[0].output_tokens > 512  # it did cross
+    assert {512, 1024} <= spans_seen and engine._batch_span == engine.spans[0]
     live = engine.pool.sessions[got[0].session].live
-    assert holds(engine.cfg, live.state, engine.spans[1])
+    assert holds(engine.cfg, live.state, 1024)
     cold = engine.logits_for(live.tokens)
     assert np.abs(cold - np.asarray(live.state.logits)).max() <= 1e-5

@@ -152,3 +152,17 @@ def test_a_live_session_growing_turn_by_turn_holds_its_tokens_pages(turns: list[
         pool.release(table)
         table = grown
         assert pool.used == pages_for(table.tokens)
+
+
+def test_a_full_page_is_substituted_by_an_identical_held_one() -> None:
+    pool = PagePool(8)
+    a = pool.new(600)  # another conversation's prefill: pages 1..3
+    b = pool.new(520)  # a second one, same first two pages' tokens: its own copies
+    shared = pool.substitute(b, 0, a.pages[0])
+    assert shared.pages[0] == a.pages[0] and shared.pages[1:] == b.pages[1:]
+    assert pool.refs[a.pages[0]] == 2 and pool.refs[b.pages[0]] == 0 and pool.used == 5
+    with pytest.raises(ValueError):
+        pool.substitute(shared, 2, a.pages[2])  # a partial page is never shared this way
+    for t in (a, shared):
+        pool.release(t)
+    assert pool.used == 0

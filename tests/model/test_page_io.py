@@ -109,3 +109,30 @@ def test_a_page_store_grows_with_the_tokens_held_up_to_its_limit(paged_states) -
     with pytest.raises(OutOfPages):
         store.keep(paged_states["live"], 900)  # four more pages: past the limit
     assert store.pool.used == used and store.pool.num_pages == 8
+
+
+def test_pages_closing_the_same_prefix_with_the_same_bytes_are_stored_once(paged_states):
+    """Two frontiers kept with no lineage between them (as two conversations' cold
+    prefills): the later one's full pages that close the same token prefix and hold the
+    same bytes point at the earlier one's; a page whose bytes differ is never shared, and
+    each frontier still reads back exactly its own rows."""
+    from dataclasses import replace
+
+    from ds4jax.kvstore.page_store import PageStore
+    from ds4jax.model.state import resize, spans
+
+    store = PageStore(CFG, spans(CFG, MAX_LEN, 256), num_pages=32)
+    ids = list(range(600))
+    prompt = store.keep(paged_states["prompt"], 600, None, ids)
+    used = store.pool.used
+    live = store.keep(paged_states["live"], 900, None, [*ids, *range(1000, 1300)])
+    assert live.table.pages[:2] == prompt.table.pages[:2]  # the two full shared pages
+    assert store.pool.used == used + 4 - 2
+    assert same(store.dense(live), resize(paged_states["live"], cfg=CFG, span=1024))
+    # the same tokens claimed for other bytes: nothing is shared
+    other = replace(paged_states["prompt"], layers=tuple(
+        replace(ls, comp=None if ls.comp is None else ls.comp * 2.0)  # rows past the live stay 0
+        for ls in paged_states["prompt"].layers))  # fmt: skip
+    odd = store.keep(other, 600, None, ids)
+    assert not set(odd.table.pages) & set(prompt.table.pages)
+    assert same(store.dense(odd), resize(other, cfg=CFG, span=1024))
