@@ -145,7 +145,7 @@ def test_a_state_that_cannot_fit_beside_those_in_flight_is_refused_unchanged(eng
         engine.host_budget = host
 
 
-@settings(max_examples=3, deadline=None, derandomize=True,
+@settings(max_examples=2, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture,
                                  HealthCheck.too_slow])  # fmt: skip
 @given(plan=interleavings())

@@ -24,7 +24,7 @@ from ds4jax.pallas_kernels.paged_attention import (
 )
 from ds4jax.pallas_kernels.sink_attention import sink_attention_reference
 
-SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 D = 32
 _twin = jax.jit(paged_attention_reference)  # one compile per shape, not one per op
 

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
-
-from ds4jax.engine import PAGED_START, SamplingParams
+from ds4jax.engine import PAGED_START
 from ds4jax.model.pages import page_bytes
 from serve.main import add_arguments, build_engine, default_state_dtype, default_state_memory
 
@@ -27,18 +25,9 @@ def test_fp8_paged_states_with_a_memory_budget() -> None:
     assert engine.pool.budget == 2**28
     assert engine.pages.limit >= 2**28 // page_bytes(engine.cfg, "fp8")
     assert engine.pages.pool.num_pages == PAGED_START  # not the budget's pages up front
-    assert "in pages" in banner
-    from ds4jax.chat.anthropic import parse_messages_request
-
-    body = {"messages": [{"role": "user", "content": "Count the files. " * 40}]}
-    req = engine.prepare_request(parse_messages_request(body), max_tokens=3,
-                                 sampling=SamplingParams(temperature=0.0))  # fmt: skip
-    res = engine.run(req)
-    live = engine.pool.sessions[res.session].live
-    dense = engine.pages.dense(live.state)
-    cold = engine.logits_for(live.tokens)  # a cold prefill, rounding rows the same way
-    got = np.asarray(dense.logits)
-    assert got.argmax() == cold.argmax() and np.abs(got - cold).max() <= 1e-2
+    assert "in pages" in banner and "states fp8" in banner
+    # served end to end with these flags (and the CPU default fp8): the demo server of
+    # tests/serve runs `--paged` (DEMO_SERVE_ARGS)
 
 
 def test_the_default_budget_is_a_share_of_the_memory_after_the_weights() -> None:
