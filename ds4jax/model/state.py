@@ -14,6 +14,7 @@ states, and two states of the same tokens compare equal leaf by leaf.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -155,9 +156,11 @@ def resize(state: DecodeState, *, cfg: Config, span: int) -> DecodeState:
     return replace(state, layers=layers)
 
 
+@functools.lru_cache(maxsize=64)
 def capacity_bytes(cfg: Config, max_len: int) -> int:
     """Bytes one state of this context occupies, whatever its position: what a resident
-    session or a fork point costs. Computed from shapes, nothing is allocated."""
+    session or a fork point costs. Computed from shapes, nothing is allocated; cached, as
+    the engine asks it for every request's span (tracing Flash's state takes ~50 ms)."""
     shapes = jax.eval_shape(lambda: init_state(cfg, max_len))
     return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 

@@ -6,7 +6,6 @@ with nothing changed."""
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,14 +16,14 @@ from ds4jax.continuation.pool import Pool, Session, host_bytes, host_victims
 from ds4jax.continuation.types import Bindings, CacheSource, LiveFrontier, ToolBinding
 from ds4jax.engine import Engine, EngineError
 from ds4jax.kvstore.host import HostState
-from tests.continuation.conftest import TOOLS, forced
 from tests.continuation.test_sessions import (
     SYSTEM,
-    calls_text,
     fresh,
     interleavings,
-    play,
+    play_both,
     prepared,
+    same_outcomes,
+    tool_call_and_follow,
 )
 
 # ------------------------------------------------------------------ pure: no model
@@ -77,22 +76,6 @@ def engines(_engine: Engine) -> tuple[Engine, Engine]:
     return make(), make(host_budget_bytes=64 * e.state_nbytes)
 
 
-def _main_and_follow(engine: Engine):
-    main = {"system": SYSTEM, "tools": TOOLS,
-            "messages": [{"role": "user", "content": "Fix the failing test."}]}  # fmt: skip
-    res = engine.run(prepared(engine, main, 200), forced_tokens=forced(engine, calls_text(["ls"])))
-    follow = copy.deepcopy(main)
-    follow["messages"] += [
-        {"role": "assistant", "content": [
-            {"type": "thinking", "thinking": "I should run it."},
-            {"type": "tool_use", "id": res.tool_ids[0], "name": "bash", "input": {"command": "ls"}},
-        ]},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": res.tool_ids[0], "content": "a.py"}]},
-    ]  # fmt: skip
-    return res, follow
-
-
 def _side(engine: Engine, k: int):
     body = {"system": SYSTEM, "messages": [{"role": "user", "content": f"Side task {k}."}]}
     return engine.run(prepared(engine, body, 3))
@@ -103,7 +86,7 @@ def test_an_evicted_session_waits_in_host_ram_and_continues_live(engines) -> Non
     calm, pressed = fresh(calm, 3), fresh(pressed, 3, budget_states=1)
     outcomes = []
     for engine in (calm, pressed):
-        res, follow = _main_and_follow(engine)
+        res, follow = tool_call_and_follow(engine)
         sides = [_side(engine, k) for k in range(2)]  # each evicts what came before it
         if engine is pressed:
             held = engine.pool.sessions[res.session].live
@@ -155,12 +138,8 @@ def test_under_a_one_state_budget_no_live_session_is_lost(engines, plan) -> None
     and every live tool continuation stays live (fork points, evicted first, may turn a
     retry into a prefill: the same text)."""
     calm, pressed = engines
-    scripts, parallel, order = plan
-    lines = sum(1 + s.count("retry") + s.count("side") for s in scripts)
-    want = play(fresh(calm, lines), dict(enumerate(scripts)), parallel, order)
-    got = play(fresh(pressed, lines, budget_states=1), dict(enumerate(scripts)), parallel, order)
-    assert {i: [(o.kind, o.text) for o in out] for i, out in got.items()} == {
-        i: [(o.kind, o.text) for o in out] for i, out in want.items()}  # fmt: skip
+    want, got = play_both(calm, pressed, plan, budget_states=1)
+    assert same_outcomes(got, want, source=False)
     for i, out in want.items():
         for w, g in zip(out, got[i], strict=True):
             if w.source is CacheSource.LIVE_TOOL:

@@ -17,8 +17,9 @@ from tests.continuation.test_sessions import (
     SYSTEM,
     fresh,
     interleavings,
-    play,
+    play_both,
     prepared,
+    same_outcomes,
 )
 
 
@@ -38,12 +39,8 @@ def engines(_engine: Engine) -> tuple[Engine, Engine]:
 @given(plan=interleavings())
 def test_paged_frontiers_serve_interleaved_conversations_as_dense_ones(engines, plan) -> None:
     dense, paged = engines
-    scripts, parallel, order = plan
-    lines = sum(1 + s.count("retry") + s.count("side") for s in scripts)
-    want = play(fresh(dense, lines), dict(enumerate(scripts)), parallel, order)
-    got = play(fresh(paged, lines), dict(enumerate(scripts)), parallel, order)
-    assert {i: [(o.kind, o.source, o.text) for o in out] for i, out in got.items()} == {
-        i: [(o.kind, o.source, o.text) for o in out] for i, out in want.items()}  # fmt: skip
+    want, got = play_both(dense, paged, plan)
+    assert same_outcomes(got, want)
     frontiers = [s.live for s in paged.pool.sessions if s.live is not None]
     frontiers += [f.frontier for f in paged.pool.forks]
     assert frontiers and all(isinstance(f.state, PagedFrontier) for f in frontiers)

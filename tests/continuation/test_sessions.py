@@ -95,14 +95,12 @@ def test_a_retry_reuses_the_whole_prompt_and_equals_a_cold_prefill(pool_engine, 
                                       "fork-point": 1}  # fmt: skip
 
 
-def test_a_side_request_never_takes_the_main_session(pool_engine):
-    engine = fresh(pool_engine, 2)
+def tool_call_and_follow(engine: Engine) -> tuple[Result, dict]:
+    """A task whose reply is a (forced) `bash ls` call, and the request that replays the
+    call and sends its result: the body that continues the live state by tool id."""
     main = {"system": SYSTEM, "tools": TOOLS,
             "messages": [{"role": "user", "content": "Fix the failing test."}]}  # fmt: skip
     res = engine.run(prepared(engine, main, 200), forced_tokens=forced(engine, calls_text(["ls"])))
-    side = {"system": SYSTEM, "tools": TOOLS,
-            "messages": [{"role": "user", "content": "Write a title for this chat."}]}  # fmt: skip
-    assert engine.run(prepared(engine, side, 2)).session != res.session
     follow = copy.deepcopy(main)
     follow["messages"] += [
         {"role": "assistant", "content": [
@@ -112,6 +110,35 @@ def test_a_side_request_never_takes_the_main_session(pool_engine):
         {"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": res.tool_ids[0], "content": "a.py"}]},
     ]  # fmt: skip
+    return res, follow
+
+
+def play_both(reference: Engine, other: Engine, plan, budget_states: int | None = None):
+    """An `interleavings` plan played on a reference engine and on `other` (its budget in
+    states, if any), each with a session per conversation line: (want, got)."""
+    scripts, parallel, order = plan
+    lines = sum(1 + s.count("retry") + s.count("side") for s in scripts)
+    want = play(fresh(reference, lines), dict(enumerate(scripts)), parallel, order)
+    got = play(fresh(other, lines, budget_states), dict(enumerate(scripts)), parallel, order)
+    return want, got
+
+
+def same_outcomes(got: dict, want: dict, source: bool = True) -> bool:
+    """Two `play`s gave the same outcome kinds and texts (and sources, with `source`)."""
+
+    def view(out: dict) -> dict:
+        return {i: [(o.kind, o.source if source else None, o.text) for o in run]
+                for i, run in out.items()}  # fmt: skip
+
+    return view(got) == view(want)
+
+
+def test_a_side_request_never_takes_the_main_session(pool_engine):
+    engine = fresh(pool_engine, 2)
+    res, follow = tool_call_and_follow(engine)
+    side = {"system": SYSTEM, "tools": TOOLS,
+            "messages": [{"role": "user", "content": "Write a title for this chat."}]}  # fmt: skip
+    assert engine.run(prepared(engine, side, 2)).session != res.session
     back = engine.run(prepared(engine, follow, 2))
     assert back.source is CacheSource.LIVE_TOOL and back.session == res.session
 

@@ -14,7 +14,14 @@ from ds4jax.engine import Engine
 from ds4jax.model.forward import prefill
 from ds4jax.model.state import holds, init_state, resize, span_for, spans
 from tests.continuation.conftest import TOOLS
-from tests.continuation.test_sessions import SYSTEM, fresh, interleavings, play, prepared
+from tests.continuation.test_sessions import (
+    SYSTEM,
+    fresh,
+    interleavings,
+    play_both,
+    prepared,
+    same_outcomes,
+)
 
 BASE = 1024
 
@@ -82,12 +89,8 @@ def pair(_engine: Engine) -> tuple[Engine, Engine]:
 def test_spanned_states_serve_interleaved_conversations_as_full_ones(pair, plan) -> None:
     full, spanned = pair
     assert full.spans == (full.max_len,)
-    scripts, parallel, order = plan
-    lines = sum(1 + s.count("retry") + s.count("side") for s in scripts)
-    want = play(fresh(full, lines), dict(enumerate(scripts)), parallel, order)
-    got = play(fresh(spanned, lines), dict(enumerate(scripts)), parallel, order)
-    assert {i: [(o.kind, o.source, o.text) for o in out] for i, out in got.items()} == {
-        i: [(o.kind, o.source, o.text) for o in out] for i, out in want.items()}  # fmt: skip
+    want, got = play_both(full, spanned, plan)
+    assert same_outcomes(got, want)
     frontiers = [s.live for s in spanned.pool.sessions if s.live is not None]
     frontiers += [f.frontier for f in spanned.pool.forks]
     for f in frontiers:  # each at the span of its own tokens
