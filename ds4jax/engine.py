@@ -12,6 +12,14 @@ frontier is replaced, never mutated, and only after the step that produced it fi
 cancelled or failed request leaves a consistent frontier (the last evaluated token). Fork
 points hold prompt ends only, never a state that would paper over a tool-id mismatch.
 
+With a page pool (`paged_pages`, `serve --paged`) retained frontiers are page tables and
+small parts (`kvstore.page_store`), and so are the decode rows: a row holds its own
+references to the prompt end's pages and grows its table by a token before each step
+(`PagePool.advance`, which copies a partial page another frontier wrote past), the step
+reads and writes pages through the tables (`model.batch.paged_step`), and the row leaves
+as a frontier of its pages, no row copied. A row the full pool cannot grow, even after
+fork points and idle sessions gave up what they alone held, ends with a 529.
+
 `Engine(...)` alone is the single-session engine of the original rules (one session, no
 fork points, one request at a time); `ds4jax serve` runs it with `--sessions` (default 4),
 fork points on and `--max-batch` (default 8).
@@ -66,11 +74,11 @@ from ds4jax.decoding import Result, RowDecoder, ToolCallStarted
 from ds4jax.kvstore.background import BackgroundSaves
 from ds4jax.kvstore.host import HostState, to_host
 from ds4jax.kvstore.page_store import PageStore
-from ds4jax.kvstore.pages import OutOfPages
+from ds4jax.kvstore.pages import OutOfPages, PageTable, pages_for
 from ds4jax.kvstore.store import KVStore, NoStore
 from ds4jax.model import batch as batch_ops
 from ds4jax.model.forward import CHUNK_SIZES, prefill
-from ds4jax.model.page_io import PagedFrontier
+from ds4jax.model.page_io import PagedFrontier, small_part
 from ds4jax.model.params import Params
 from ds4jax.model.sharding import DATA_AXIS, batch_sharding, replicated
 from ds4jax.model.state import (
@@ -184,7 +192,6 @@ class Ticket:
     decoder: RowDecoder | None = None
     #: with paged frontiers: the one the prompt continued, then the prompt end's
     base_paged: Any = None
-    prompt_paged: Any = None
     #: where its base state came back from before continuing: "host" (`kvstore.host`)
     restored: str | None = None
 
@@ -273,6 +280,9 @@ class Engine:
         self._batch = self._new_batch()
         self._keys = np.zeros((self.max_batch, 2), np.uint32)
         self._rows: list[Ticket | None] = [None] * self.max_batch
+        #: with pages, each row's page table (its own references): the batch holds the
+        #: rows' small parts only (`model.batch.paged_step`)
+        self._tables: list[PageTable | None] = [None] * self.max_batch
         self.waiting: deque[Ticket] = deque()
         self._prefilling: Ticket | None = None
         self._lock = threading.Lock()  # one scheduler step at a time
@@ -487,7 +497,8 @@ class Engine:
         return jax.device_put(tree, replicated(self.mesh))
 
     def _new_batch(self) -> Any:
-        return self._place_batch(batch_ops.empty_batch(self.cfg, self._batch_span, self.max_batch))
+        return self._place_batch(batch_ops.empty_batch(
+            self.cfg, self._batch_span, self.max_batch, small=self.pages is not None))  # fmt: skip
 
     def _place_batch(self, batch: Any) -> Any:
         """The decode batch: placed as a state is, or its rows split over the mesh's data
@@ -509,6 +520,7 @@ class Engine:
             self.waiting.clear()
             self._prefilling = None
             self._rows = [None] * self.max_batch
+            self._release_tables()
             self._batch_span = self.spans[0]
             self._batch = self._new_batch()
         for t in tickets:
@@ -678,7 +690,9 @@ class Engine:
         else:
             bt = None
         kept = self._keep(state, tokens, base)
-        ticket.prompt_paged = kept if self.pages is not None else None
+        if self.pages is not None and not isinstance(kept, PagedFrontier):
+            raise EngineError(529, f"overloaded: no pages left for a {len(tokens)}-token "
+                              "prompt's row; retry shortly", "overloaded_error")  # fmt: skip
         prompt_end = LiveFrontier(kept, tuple(tokens), live_segments)
         with self._state_lock:
             pool = self.pool
@@ -705,6 +719,11 @@ class Engine:
             seed = int.from_bytes(hashlib.blake2b(prepared.nonce, digest_size=4).digest()) >> 1
         key = jax.random.key(seed)
         self._keys[row] = np.asarray(jax.random.key_data(key))
+        if self.pages is not None:  # the row holds the prompt end's pages and its small part
+            self._tables[row] = self.pages.pool.hold(kept.table)
+            self._batch = batch_ops.insert(self._batch, np.int32(row), kept.small)
+            self._rows[row] = ticket
+            return
         if not holds(self.cfg, state, self._batch_span):  # the batch takes the longer span
             self._resize_batch(max(self._batch_span, self._span(len(tokens))))
             state = self._fit(state, self._batch_span - 1)
@@ -741,10 +760,15 @@ class Engine:
         need = self._span(max(len(self._rows[r].decoder.tokens) for r in stepping) + 1)
         if need > self._batch_span:  # a row reached the end of the batch's span
             self._resize_batch(need)
-        self._batch, tokens, keys = batch_ops.step(
-            self.params, self._batch, override, self._keys[:size], temperature, top_k, top_p,
-            min_p, np.int32(self.tokenizer.eos_id), cfg=self.cfg, size=size,
-        )  # fmt: skip
+        grid = None
+        if self.pages is not None:
+            grid = self._grid(size, stepping)
+            stepping = [r for r in stepping if self._rows[r] is not None]
+            if not stepping:
+                return
+        self._batch, tokens, keys = self._step(
+            self._batch, grid, override, self._keys[:size], temperature, top_k, top_p, min_p
+        )
         tokens, keys = np.asarray(tokens), np.asarray(keys)
         for row in stepping:
             self._keys[row] = keys[row]
@@ -755,15 +779,74 @@ class Engine:
             if ticket.decoder.done:
                 self._finish_row(row)
 
+    def _step(self, batch: Any, grid: np.ndarray | None, override: np.ndarray,
+              *sampling: np.ndarray) -> tuple[Any, jax.Array, jax.Array]:  # fmt: skip
+        """One batched step of `len(override)` rows: dense rows, or (`grid`: their page
+        tables) rows reading and writing the page pool."""
+        size = len(override)
+        args = (override, *sampling, np.int32(self.tokenizer.eos_id))
+        if self.pages is None:
+            return batch_ops.step(self.params, batch, *args, cfg=self.cfg, size=size)
+        batch, self.pages.arrays, tokens, keys = batch_ops.paged_step(
+            self.params, batch, self.pages.arrays, grid, *args, cfg=self.cfg, size=size,
+            span=self._batch_span,
+        )  # fmt: skip
+        return batch, tokens, keys
+
+    def _grid(self, size: int, stepping: list[int]) -> np.ndarray:
+        """The page tables of rows [0, size) for a step, each stepping row's grown by the
+        token it evaluates (its tail page its own); other rows' are all null pages, so
+        they neither read nor write any page."""
+        width = pages_for(self._batch_span)
+        grid = np.zeros((size, width), np.int32)
+        for row in stepping:
+            try:
+                self._tables[row] = self._advance(self._tables[row])
+            except OutOfPages as err:  # the row ends; its session keeps its prompt end
+                self._rows[row], ticket = None, self._rows[row]
+                self.pages.pool.release(self._tables[row])
+                self._tables[row] = None
+                ticket.fail(EngineError(529, f"overloaded: the page pool is full ({err}); "
+                                        "retry shortly", "overloaded_error"))  # fmt: skip
+                continue
+            grid[row] = self._tables[row].padded(width)
+        return grid
+
+    def _advance(self, table: PageTable) -> PageTable:
+        """A row's table grown by the token its step evaluates; when the pool is full, fork
+        points and idle sessions give up pages first, as the state budget orders them
+        (`continuation.pool.evictions`), and the growth is tried once more."""
+        try:
+            return self.pages.advance(table, 1)
+        except OutOfPages as err:
+            with self._state_lock:
+                held = self.pool.state_bytes()
+            target = held - err.wanted * self.pages.page_nbytes
+            if not self._enforce_budget(None, target, pages=err.wanted):
+                raise
+            return self.pages.advance(table, 1)
+
+    def _release_tables(self) -> None:
+        for row, table in enumerate(self._tables):
+            if table is not None and self.pages is not None:
+                self.pages.pool.release(table)
+            self._tables[row] = None
+
+    def _row_frontier(self, row: int, tokens: int) -> Any:
+        """The state a row leaves with: dense, or its pages (the table cut back to the
+        tokens it evaluated: a sampled EOS is not) and its small part."""
+        small = batch_ops.extract(self._batch, np.int32(row))
+        if self.pages is None:
+            return self._fit(small, tokens)
+        table, self._tables[row] = self._tables[row], None
+        return self.pages.adopt(self.pages.pool.trim(table, tokens), small)
+
     def _finish_row(self, row: int) -> None:
         ticket = self._rows[row]
         self._rows[row] = None
         try:
-            state = batch_ops.extract(self._batch, np.int32(row))
-            state = self._fit(state, len(ticket.decoder.tokens))
+            state = self._row_frontier(row, len(ticket.decoder.tokens))
             result = ticket.decoder.finish(state)
-            if self.pages is not None:  # the reply's frontier, grown from the prompt end's
-                self._page_live(ticket.session, state, ticket.prompt_paged)
             result.source = ticket.decision.source
             result.cached = ticket.decision.cached
             result.prefilled = ticket.suffix_n
@@ -795,7 +878,10 @@ class Engine:
         return self._place(resize(state, cfg=self.cfg, span=span))
 
     def _resize_batch(self, span: int) -> None:
-        self._batch = self._place_batch(resize(self._batch, cfg=self.cfg, span=span))
+        """The batch's span: what its rows' compressed rows take in a step. Paged rows keep
+        them in pages, so only the tables' width changes."""
+        if self.pages is None:
+            self._batch = self._place_batch(resize(self._batch, cfg=self.cfg, span=span))
         self._batch_span = span
 
     def _keep(self, state: Any, ids: Sequence[int], base: Any) -> Any:
@@ -810,20 +896,6 @@ class Engine:
         except OutOfPages as err:  # kept dense instead: correct, and the budget counts it so
             log.warning("page pool full (%s): a frontier of %d tokens kept whole", err, tokens)
             return state
-
-    def _page_live(self, session: Session, state: Any, base: Any) -> None:
-        """The session's new live frontier (`decoding.RowDecoder.finish` made it of the
-        dense `state`) kept in pages instead."""
-        live = session.live
-        if live is None or live.state is not state:
-            return
-        kept = self._keep(state, live.tokens, base)
-        if kept is state:
-            return
-        paged = replace(live, state=kept)
-        with self._state_lock:
-            if session.live is live:
-                session.live = paged
 
     def _before_think_cut(self, prepared: Prepared, decision: Decision, tokens: list[int]):
         """Where to keep a second fork point, just before the prompt's closing `<think>`,
@@ -843,12 +915,16 @@ class Engine:
             return None
         return len(tokens) - 1
 
-    def _enforce_budget(self, keep: int) -> None:
-        """Drop what the state budget no longer holds; with a store, evicted states are
-        saved first (they come back as disk hits)."""
+    def _enforce_budget(self, keep: int | None, budget: int | None = None, pages: int = 0) -> bool:
+        """Drop what the state budget (or `budget`) no longer holds, beside the sessions
+        serving requests and `keep`; with a store, evicted states are saved first (they
+        come back as disk hits). With `pages`, only if that frees so many pages (False, and
+        nothing dropped, when it cannot)."""
         with self._state_lock:
-            busy = self._busy_slots() | {keep}
-            forks, slots = evictions(self.pool, busy)
+            busy = self._busy_slots() | ({keep} if keep is not None else set())
+            forks, slots = evictions(self.pool, busy, budget)
+            if pages and self._pages_freed(forks, slots) < pages:
+                return False
             dropped = [f.frontier for f in forks]
             self.pool.forks = [f for f in self.pool.forks if f not in forks]
             for i in slots:
@@ -860,6 +936,22 @@ class Engine:
             if frontier is not None and frontier.pos:
                 log.info("evict %d tokens (state budget)", frontier.pos)
                 self._save(frontier.tokens, frontier.state, "evict")
+        return True
+
+    def _pages_freed(self, forks: list[Any], slots: list[int]) -> int:
+        """Pages no frontier or row would hold once `forks` and the sessions `slots` are
+        dropped (a session whose pages its fork points share frees none of them)."""
+        gone = {id(f) for f in forks}
+        out = [f.frontier for f in forks] + [self.pool.sessions[i].live for i in slots]
+        kept = [s.live for s in self.pool.sessions if s.slot not in slots]
+        kept += [f.frontier for f in self.pool.forks if id(f) not in gone]
+
+        def pages(frontiers: list[Any]) -> set[int]:
+            states = (f.state for f in frontiers if f is not None)
+            return set().union(*(s.table.pages for s in states if isinstance(s, PagedFrontier)))
+
+        rows = set().union(*(t.pages for t in self._tables if t is not None))
+        return len(pages(out) - pages(kept) - rows)
 
     def _to_host(self, session: Session, keep: set[int], dropped: list[Any]) -> bool:
         """Move an evicted session's state to the host tier, whole session kept (sessions
@@ -960,20 +1052,22 @@ class Engine:
                                chunk_sizes=(size,))  # fmt: skip
             state.logits.block_until_ready()
         # the batched step at every size up to max_batch, on a throwaway batch of the same
-        # shapes (rows of the real one may be decoding), and the row insert / extract
+        # shapes (rows of the real one may be decoding), and the row insert / extract; with
+        # pages, on the pool itself through null tables (nothing is read or written)
         with self._lock:
             scratch = self._new_batch()
-            scratch = batch_ops.insert(scratch, np.int32(0), self._empty)
+            empty = self._empty if self.pages is None else small_part(self._empty)
+            scratch = batch_ops.insert(scratch, np.int32(0), empty)
             for size in batch_ops.BATCH_SIZES:
                 if size > self.max_batch:
                     break
+                grid = np.zeros((size, pages_for(self._batch_span)), np.int32)
                 for _ in range(2):  # the second call sees the step's own outputs
-                    scratch, _, _ = batch_ops.step(
-                        self.params, scratch, np.full(size, -1, np.int32),
+                    scratch, _, _ = self._step(
+                        scratch, grid, np.full(size, -1, np.int32),
                         np.zeros((size, 2), np.uint32), np.zeros(size, np.float32),
                         np.zeros(size, np.int32), np.ones(size, np.float32),
-                        np.zeros(size, np.float32), np.int32(self.tokenizer.eos_id),
-                        cfg=self.cfg, size=size,
+                        np.zeros(size, np.float32),
                     )  # fmt: skip
             jax.block_until_ready(batch_ops.extract(scratch, np.int32(0)))
         if self.pages is not None:  # the page programs: write, copy (a shared tail), read

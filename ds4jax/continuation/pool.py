@@ -272,13 +272,18 @@ def route(
     return Route(slot, decision, displaced=pool.sessions[slot].live)
 
 
-def evictions(pool: Pool, keep: int | Collection[int]) -> tuple[list[ForkPoint], list[int]]:
-    """What to drop so the retained states fit the budget: fork points least recently used
-    first, then the least recently used sessions other than `keep` (the one just served, and
-    those serving requests).
+def evictions(
+    pool: Pool, keep: int | Collection[int], budget: int | None = None
+) -> tuple[list[ForkPoint], list[int]]:
+    """What to drop so the retained states fit the budget (`budget`, default the pool's:
+    a smaller one frees room for pages a decoding row needs now): fork points least
+    recently used first, then the least recently used sessions other than `keep` (the one
+    just served, and those serving requests).
     Dropping a fork point whose state a live frontier still holds frees nothing, so it is
-    kept. Returns (fork points, slots); nothing is changed here."""
-    if pool.budget is None:
+    kept, and so is a session whose pages other frontiers hold. Returns (fork points,
+    slots); nothing is changed here."""
+    budget = pool.budget if budget is None else budget
+    if budget is None:
         return [], []
     keep = {keep} if isinstance(keep, int) else set(keep)
     lives = {s.slot: s.live for s in pool.sessions}
@@ -292,7 +297,7 @@ def evictions(pool: Pool, keep: int | Collection[int]) -> tuple[list[ForkPoint],
     def shed_forks() -> None:
         nonlocal forks
         for f in sorted(forks, key=lambda f: f.used):
-            if size(forks) <= pool.budget:
+            if size(forks) <= budget:
                 return
             rest = [g for g in forks if g is not f]
             if size(rest) < size(forks):
@@ -303,9 +308,15 @@ def evictions(pool: Pool, keep: int | Collection[int]) -> tuple[list[ForkPoint],
     idle = sorted((s for s in pool.sessions if s.slot not in keep and s.live is not None
                    and not on_host(s.live.state)), key=_victim_order)  # fmt: skip
     for s in idle:
-        if size(forks) <= pool.budget:
+        before = size(forks)
+        if before <= budget:
             break
+        saved, shed = forks, len(drop_forks)
         lives[s.slot] = None
-        drop_slots.append(s.slot)
         shed_forks()  # fork points that shared this session's state free bytes now
+        if size(forks) >= before:  # its pages are all held by others: dropping frees nothing
+            lives[s.slot], forks = s.live, saved
+            del drop_forks[shed:]
+            continue
+        drop_slots.append(s.slot)
     return drop_forks, drop_slots

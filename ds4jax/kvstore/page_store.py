@@ -2,9 +2,11 @@
 frontiers and fork points hold a page table and a small part instead of a full-capacity
 state, so what they cost follows the tokens they hold and what two of them share (a prompt
 and the session that moved on, a retry, a sub-agent on the same system prompt) is stored
-once. A request still runs on a dense state: the base it continues is materialized for its
-prefill, and the state a prefill or a decode leaves is written back as pages, growing from
-the base's table (`kvstore.pages`: only the pages past the shared ones are written).
+once. A prefill runs on a dense state: the base it continues is materialized, and the state it
+leaves is written back as pages, growing from the base's table (`kvstore.pages`: only the
+pages past the shared ones are written). Decoding reads pages: a batch row holds a table
+(`advance` before each step) and its small part, and leaves as a frontier of its own
+(`adopt`), no row copied (`model.batch.paged_step`).
 
 Conversations that merely start alike share too: a full page is indexed by the token
 prefix it closes, and a frontier written later whose page closes the same prefix with the
@@ -99,6 +101,29 @@ class PageStore:
         if token_ids is not None:
             table = self._share(table, first, token_ids)
         frontier = page_io.PagedFrontier(table, page_io.small_part(state))
+        weakref.finalize(frontier, self._released.append, table)
+        return frontier
+
+    def advance(self, table: PageTable, tokens: int) -> PageTable:
+        """A batch row's table grown by `tokens` in place of `table` (`PagePool.advance`),
+        its copies made, the pool grown when short: the row's tail page is then its own
+        to write."""
+        self._drain()
+        while True:
+            try:
+                table, copies = self.pool.advance(table, tokens)
+                break
+            except OutOfPages as err:
+                if self.pool.num_pages >= self.limit:
+                    raise
+                self._extend(max(self.pool.num_pages, err.wanted))
+        self.arrays = page_io.copy(self.arrays, copies)
+        return table
+
+    def adopt(self, table: PageTable, small: DecodeState) -> page_io.PagedFrontier:
+        """The frontier of a batch row that left: its table (whose references it takes
+        over) and its small part; no row is copied."""
+        frontier = page_io.PagedFrontier(table, small)
         weakref.finalize(frontier, self._released.append, table)
         return frontier
 

@@ -139,6 +139,24 @@ class PagePool:
         """A new table holding `table`'s tokens and `tokens` more, and the copies to make
         before the step writes the new rows. `table` stays valid and held as it was; the
         new table holds its own references."""
+        return self._append(table, tokens, moved=False)
+
+    def advance(self, table: PageTable, tokens: int) -> tuple[PageTable, list[Copy]]:
+        """`grow`, with `table`'s own references moving to the new table (the caller drops
+        `table`): a batch row's table before each step, touching only its tail."""
+        return self._append(table, tokens, moved=True)
+
+    def trim(self, table: PageTable, tokens: int) -> PageTable:
+        """`table` cut back to its first `tokens` tokens (a row's table grown for a token
+        the step did not evaluate: an EOS), its references moving (the caller drops
+        `table`); pages past the cut are released. Written marks stay where they are."""
+        if tokens > table.tokens:
+            raise ValueError(f"{table} cannot be trimmed to {tokens} tokens")
+        k = pages_for(tokens)
+        self.release(PageTable(table.pages[k:], 0))
+        return PageTable(table.pages[:k], tokens)
+
+    def _append(self, table: PageTable, tokens: int, moved: bool) -> tuple[PageTable, list[Copy]]:
         if tokens < 0:
             raise ValueError("tokens are only appended")
         n, end = table.tokens, table.tokens + tokens
@@ -149,20 +167,24 @@ class PagePool:
         need = pages_for(end) - len(keep) + (1 if tail_shared else 0)
         if need > len(self._free):
             raise OutOfPages(need, len(self._free))
+        if not moved:
+            for p in keep:
+                self.refs[p] += 1
         if tail_shared:  # someone appended past our end in that page: write into a copy
             fresh = self._free.pop()
             copies.append(Copy(keep[-1], fresh, fill))
             self.written[fresh] = fill
+            self.refs[fresh] = 1
+            self.release(PageTable((keep[-1],), 0))
             keep[-1] = fresh
-            self.refs[fresh] = 0  # counted with the others below
         while len(keep) < pages_for(end):
-            keep.append(self._free.pop())
-        for p in keep:
-            self.refs[p] += 1
-        for i, p in enumerate(keep):  # how far each page is written once the step ran
+            fresh = self._free.pop()
+            self.refs[fresh] = 1
+            keep.append(fresh)
+        for i in range(n // PAGE_TOKENS, len(keep)):  # how far each page is written after
             last = min(end - i * PAGE_TOKENS, PAGE_TOKENS)
             if last > 0:
-                self.written[p] = max(self.written[p], last)
+                self.written[keep[i]] = max(self.written[keep[i]], last)
         return PageTable(tuple(keep), end), copies
 
     def new(self, tokens: int) -> PageTable:

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from ds4jax.config import Config
+from ds4jax.model import page_io
 from ds4jax.model.forward import logits_of, run_layers
 from ds4jax.model.layers import attention
 from ds4jax.model.params import Params
@@ -43,11 +44,14 @@ def bucket(n: int, sizes: tuple[int, ...] = BATCH_SIZES) -> int:
     raise ValueError(f"{n} rows exceed the largest batch size {max(sizes)}")
 
 
-def empty_batch(cfg: Config, max_len: int, rows: int) -> DecodeState:
-    """`rows` empty states. Every leaf is strongly typed and committed to the default
-    device, as `step` returns them, so the first step compiles the same program as every
-    later one (on a mesh, `jax.device_put` the batch onto the mesh's sharding first)."""
+def empty_batch(cfg: Config, max_len: int, rows: int, small: bool = False) -> DecodeState:
+    """`rows` empty states (`small`: their small parts, for `paged_step`). Every leaf is
+    strongly typed and committed to the default device, as `step` returns them, so the
+    first step compiles the same program as every later one (on a mesh, `jax.device_put`
+    the batch onto the mesh's sharding first)."""
     one = init_state(cfg, max_len)
+    if small:
+        one = page_io.small_part(one)
     batch = jax.tree.map(
         lambda x: jnp.array(jnp.broadcast_to(x, (rows, *x.shape)), dtype=x.dtype), one
     )
@@ -86,6 +90,38 @@ def forward_rows(params: Params, rows: DecodeState, tokens: jax.Array, cfg: Conf
     return DecodeState(layers=tuple(layers), pos=n + 1, logits=logits.astype(jnp.float32))
 
 
+def _advance(
+    params: Params, rows: DecodeState, override: jax.Array, key_data: jax.Array,
+    temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
+    eos_id: jax.Array, cfg: Config,
+) -> tuple[DecodeState, jax.Array, jax.Array]:  # fmt: skip
+    """The step itself, on dense rows, whatever holds them (a dense batch, or pages read
+    through the rows' tables): sample or force, evaluate, keep EOS rows as they were."""
+    split = jax.vmap(jax.random.split)(jax.random.wrap_key_data(key_data))
+    keys, sub = split[:, 0], split[:, 1]
+    sampled = sample_rows(rows.logits, sub, temperature, top_k, top_p, min_p)
+    tokens = jnp.where(override >= 0, override, sampled).astype(jnp.int32)
+
+    advanced = forward_rows(params, rows, tokens, cfg)
+    evaluated = tokens != eos_id
+
+    def keep_eos_rows() -> DecodeState:
+        return jax.tree.map(
+            lambda n, o: jnp.where(evaluated.reshape((-1,) + (1,) * (n.ndim - 1)), n, o),
+            advanced,
+            rows,
+        )
+
+    # a select over every row's whole state only on the rare step where some row sampled
+    # EOS (once per request), not on every step
+    new = jax.lax.cond(jnp.all(evaluated), lambda: advanced, keep_eos_rows)
+    return new, tokens, jax.random.key_data(keys)
+
+
+def _put(batch: DecodeState, new: DecodeState) -> DecodeState:
+    return jax.tree.map(lambda b, n: jax.lax.dynamic_update_slice_in_dim(b, n, 0, 0), batch, new)
+
+
 @partial(jax.jit, static_argnames=("cfg", "size"), donate_argnums=1)
 def step(
     params: Params,
@@ -105,23 +141,40 @@ def step(
     Pass the per-row arguments as host (numpy) arrays: the same program then serves every
     call, whatever produced them."""
     rows = jax.tree.map(lambda x: x[:size], batch)
-    split = jax.vmap(jax.random.split)(jax.random.wrap_key_data(key_data))
-    keys, sub = split[:, 0], split[:, 1]
-    sampled = sample_rows(rows.logits, sub, temperature, top_k, top_p, min_p)
-    tokens = jnp.where(override >= 0, override, sampled).astype(jnp.int32)
+    new, tokens, keys = _advance(params, rows, override, key_data, temperature, top_k, top_p,
+                                 min_p, eos_id, cfg)  # fmt: skip
+    return _put(batch, new), tokens, keys
 
-    advanced = forward_rows(params, rows, tokens, cfg)
-    evaluated = tokens != eos_id
 
-    def keep_eos_rows() -> DecodeState:
-        return jax.tree.map(
-            lambda n, o: jnp.where(evaluated.reshape((-1,) + (1,) * (n.ndim - 1)), n, o),
-            advanced,
-            rows,
-        )
-
-    # a select over every row's whole state only on the rare step where some row sampled
-    # EOS (once per request), not on every step
-    new = jax.lax.cond(jnp.all(evaluated), lambda: advanced, keep_eos_rows)
-    batch = jax.tree.map(lambda b, n: jax.lax.dynamic_update_slice_in_dim(b, n, 0, 0), batch, new)
-    return batch, tokens, jax.random.key_data(keys)
+@partial(jax.jit, static_argnames=("cfg", "size", "span"), donate_argnums=(1, 2))
+def paged_step(
+    params: Params,
+    batch: DecodeState,  # the rows' small parts (`page_io.small_part`)
+    arrays: page_io.Arrays,  # the page pool (`model.pages.page_arrays`)
+    tables: jax.Array,  # [size, pages of span] int32: each row's page table, null-padded
+    override: jax.Array,
+    key_data: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    min_p: jax.Array,
+    eos_id: jax.Array,
+    *,
+    cfg: Config,
+    size: int,
+    span: int,
+) -> tuple[DecodeState, page_io.Arrays, jax.Array, jax.Array]:
+    """`step` for rows whose long part lives in the page pool (issue 26, "batch rows hold
+    no copies"): each row's compressed and indexer rows are read through its table inside
+    the step, at the capacity of `span` (the batch's), and the row a step completes is
+    written into the row's own tail page — which the host made the row's alone before the
+    step (`kvstore.pages.PagePool.advance`). Admitting a session moves its small part
+    only. The arithmetic is `step`'s on the same dense values (a state's rows are stored
+    in its dtype as they are made, so pages give them back exactly): a paged row's tokens
+    and state equal a dense row's bit for bit. Returns (small parts, pool, tokens, keys)."""
+    small = jax.tree.map(lambda x: x[:size], batch)
+    rows = page_io.with_pages(small, arrays, tables, cfg, span)
+    new, tokens, keys = _advance(params, rows, override, key_data, temperature, top_k, top_p,
+                                 min_p, eos_id, cfg)  # fmt: skip
+    arrays = page_io.put_new_rows(arrays, new, small.pos, tables, cfg, cfg.state_dtype)
+    return _put(batch, page_io.small_part(new)), arrays, tokens, keys

@@ -29,7 +29,7 @@ import numpy as np
 from ds4jax.config import Config
 from ds4jax.kvstore.pages import PAGE_TOKENS, Copy, PageTable
 from ds4jax.model.pages import decode_index_rows, decode_rows, encode_index_rows, encode_rows
-from ds4jax.model.state import DecodeState, init_state
+from ds4jax.model.state import DecodeState, capacity, init_state
 
 Arrays = list[dict[str, Any] | None]  # `model.pages.page_arrays`
 
@@ -165,3 +165,68 @@ def materialize(arrays: Arrays, frontier: PagedFrontier, cfg: Config, max_len: i
     for k, page in enumerate(frontier.table.pages):
         dense = _read_page(dense, arrays, np.int32(page), np.int32(k), n, cfg=cfg)
     return dense
+
+
+def with_pages(small: DecodeState, arrays: Arrays, tables: jax.Array, cfg: Config,
+               span: int) -> DecodeState:  # fmt: skip
+    """Rows of small parts (`[B, …]`) with their compressed and indexer rows read through
+    their page tables (`tables`: `[B, pages]`, unused entries the null page), at the
+    capacity of `span`: the dense rows a step of that span attends over, built inside the
+    step (traced), so no row's long part is held anywhere but in its pages. A row's pages
+    past its own rows (a partial page another frontier appended into, the null page) read
+    as zero, as in a canonical dense state."""
+    layers = []
+    for i, (layer, ls) in enumerate(zip(arrays, small.layers, strict=True)):
+        if layer is None:
+            layers.append(ls)
+            continue
+        cap = capacity(cfg, i, span)
+        live = jnp.arange(cap)[None, :] < (small.pos // cfg.compress_ratios[i])[:, None]
+
+        def read(part: dict[str, jax.Array], decode: Any, live=live, cap=cap) -> jax.Array:
+            got = decode({f: a[tables] for f, a in part.items()})  # [B, pages, rows, width]
+            got = got.reshape(got.shape[0], -1, got.shape[-1])
+            have = got.shape[1]
+            got = got[:, :cap] if have >= cap else jnp.pad(got, ((0, 0), (0, cap - have), (0, 0)))
+            return jnp.where(live[..., None], got, 0)
+
+        new = replace(ls, comp=read(layer["comp"], decode_rows))
+        if "idx" in layer:
+            new = replace(new, idx=read(layer["idx"], decode_index_rows))
+        layers.append(new)
+    return replace(small, layers=tuple(layers))
+
+
+def put_new_rows(arrays: Arrays, rows: DecodeState, before: jax.Array, tables: jax.Array,
+                 cfg: Config, dtype: str) -> Arrays:  # fmt: skip
+    """`arrays` with the compressed and indexer row each row of the batch completed in a
+    one-token step (`before`: its positions before the step; rows that did not advance,
+    an EOS sampled or a padding row, have `rows.pos == before`), written into its own page
+    through its table. One row a layer a batch row at most, and only rows the step made:
+    the rows a shared page already holds are never written again."""
+    n = before
+    out = []
+    for i, layer in enumerate(arrays):
+        if layer is None:
+            out.append(None)
+            continue
+        r, block = cfg.compress_ratios[i], _block(cfg, i)
+        j = n // r  # the row a step at position n completes, when (n + 1) % r == 0
+        page = jnp.take_along_axis(tables, (j // block)[:, None], axis=1)[:, 0]
+        made = (rows.pos > n) & ((n + 1) % r == 0) & (page != 0)
+        page = jnp.where(made, page, jnp.iinfo(jnp.int32).max)  # dropped below
+        slot = j % block
+        ls = rows.layers[i]
+
+        def put(part: dict[str, jax.Array], dense: jax.Array, encode: Any,
+                page=page, slot=slot, j=j) -> dict[str, jax.Array]:  # fmt: skip
+            new = jnp.take_along_axis(dense, j[:, None, None], axis=1)[:, 0]  # [B, width]
+            enc = encode(new)
+            return {f: a.at[page, slot].set(enc[f].astype(a.dtype), mode="drop")
+                    for f, a in part.items()}  # fmt: skip
+
+        new = {"comp": put(layer["comp"], ls.comp, lambda v: encode_rows(v, cfg.rope_dim, dtype))}
+        if "idx" in layer:
+            new["idx"] = put(layer["idx"], ls.idx, lambda v: encode_index_rows(v, dtype))
+        out.append(new)
+    return out

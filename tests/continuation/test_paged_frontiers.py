@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from ds4jax.engine import Engine
+from ds4jax.engine import Engine, EngineError
 from ds4jax.kvstore.pages import pages_for
 from ds4jax.model.page_io import PagedFrontier
 from tests.continuation.conftest import TOOLS
@@ -75,9 +75,13 @@ def test_a_retry_costs_one_page_at_most_and_released_pages_come_back(engines) ->
     assert store.pool.used == start
 
 
-def test_a_full_page_pool_keeps_frontiers_whole_and_serves_the_same(engines) -> None:
-    """Three pages cannot hold a 600-token prompt's frontiers: they are kept dense (the
-    budget counts them so), and the replies are the dense engine's."""
+def test_a_row_the_full_pool_cannot_grow_is_refused_overloaded_and_nothing_is_lost(engines):
+    """Three pages hold a 710-token prompt's frontiers and its reply, which decoded in
+    place into the prompt's tail page; its retry's row needs a copy of that page, and no
+    fork point or idle session can give one up (all hold the same pages): the retry is
+    refused with 529 (`overloaded_error`), the first reply's frontier is intact, and once
+    the pool has room the retry serves as on dense states. (Rows hold pages, not copies:
+    a pool too small for a row refuses it rather than decode it dense.)"""
     dense, big = engines
     small = Engine(big.cfg, big.params, big.tokenizer, max_len=big.max_len,
                    chunk_sizes=big.chunk_sizes, sessions=2, fork_points=True,
@@ -86,11 +90,17 @@ def test_a_full_page_pool_keeps_frontiers_whole_and_serves_the_same(engines) -> 
             "messages": [{"role": "user", "content": "List the files, please."}]}  # fmt: skip
     dense = fresh(dense, 2)
     want = [dense.run(prepared(dense, body, 4)) for _ in range(2)]  # a prompt, its retry
-    got = [small.run(prepared(small, body, 4)) for _ in range(2)]
-    assert [(r.source, r.raw_text) for r in got] == [(r.source, r.raw_text) for r in want]
-    kinds = {type(f.frontier.state).__name__ for f in small.pool.forks}
-    kinds |= {type(s.live.state).__name__ for s in small.pool.sessions if s.live is not None}
-    assert "DecodeState" in kinds  # some did not fit the pool
+    first = small.run(prepared(small, body, 4))
+    assert (first.source, first.raw_text) == (want[0].source, want[0].raw_text)
+    with pytest.raises(EngineError) as refused:
+        small.run(prepared(small, body, 4))
+    assert refused.value.status == 529 and refused.value.error_type == "overloaded_error"
+    live = small.pool.sessions[first.session].live
+    logits = np.asarray(small.pages.dense(live.state).logits)
+    assert np.abs(logits - small.logits_for(live.tokens)).max() <= 1e-5
+    small.pages.limit = 8  # room to grow: the retry is served as the dense engine served it,
+    again = small.run(prepared(small, body, 4))  # from the prompt end its refusal left live
+    assert (again.cached, again.raw_text) == (want[1].cached, want[1].raw_text)
 
 
 def test_the_state_before_think_and_the_prompt_end_share_their_pages(engines) -> None:

@@ -103,6 +103,32 @@ class Frontiers(RuleBasedStateMachine):
         self.frontiers.append((grown, new_values))
 
     @precondition(lambda self: self.frontiers)
+    @rule(data=st.data(), tokens=st.integers(0, 300))
+    def advance(self, data: st.DataObject, tokens: int) -> None:
+        """A batch row stepping on: its table replaced by the grown one, no reference
+        left behind."""
+        i = data.draw(st.integers(0, len(self.frontiers) - 1))
+        table, values = self.frontiers[i]
+        try:
+            grown, copies = self.pool.advance(table, tokens)
+        except OutOfPages:
+            return
+        for c in copies:
+            src = self.data.get(c.src, [None] * PAGE_TOKENS)
+            self.data[c.dst] = [*src[: c.tokens], *([None] * (PAGE_TOKENS - c.tokens))]
+        new_values = [*values, *self._values(tokens)]
+        self._write(grown, new_values, table.tokens)
+        self.frontiers[i] = (grown, new_values)
+
+    @precondition(lambda self: self.frontiers)
+    @rule(data=st.data(), cut=st.integers(0, 300))
+    def trim(self, data: st.DataObject, cut: int) -> None:
+        i = data.draw(st.integers(0, len(self.frontiers) - 1))
+        table, values = self.frontiers[i]
+        keep = max(table.tokens - cut, 0)
+        self.frontiers[i] = (self.pool.trim(table, keep), values[:keep])
+
+    @precondition(lambda self: self.frontiers)
     @rule(data=st.data())
     def hold_again(self, data: st.DataObject) -> None:
         table, values = data.draw(st.sampled_from(self.frontiers))
