@@ -2,7 +2,10 @@
 served at `--ctx 8192` and `--ctx 1048576`, states made at the span of their tokens
 (`model.state.spans`), beside the engine before spans (every state at the context's
 capacity: `span_base=ctx`) at a context it can still run in this part's time, and at 8k
-with fp8 states (`Config.state_dtype`: rows rounded to the release's record as made).
+with fp8 states (`Config.state_dtype`: rows rounded to the release's record as made), and
+with decode rows in pages (`paged_pages`: the step reads each row's rows through its page
+table) at 8k and 1M; then four conversations decoding together (B=4), dense rows against
+rows in pages.
 
 Per case: prompt prefill tokens/s, decode tokens/s of the greedy reply (the batched step,
 one row), the bytes of the retained states (`Pool.state_bytes`), the capacity (span) of
@@ -19,16 +22,54 @@ from typing import Any
 from bench.report import write_json
 
 MODEL = "bench-192m"
+PAGES = 1024  # the page pool of the paged cases: what they hold, with room
+
+
+def batch(cfg: Any, params: Any, ctx: int, words: int, reply: int, paged: bool) -> dict[str, Any]:
+    """Aggregate decode tokens/s of four conversations decoding together (B=4), dense rows
+    or rows in pages: tokens the steps made once all four rows were active, over the wall
+    time of those steps."""
+    from ds4jax.chat.anthropic import parse_messages_request
+    from ds4jax.chat.tokenizer import V4Tokenizer
+    from ds4jax.engine import Engine, SamplingParams
+
+    engine = Engine(cfg, params, V4Tokenizer(), max_len=ctx, sessions=4, max_batch=4,
+                    chunk_sizes=(64, 512), **({"paged_pages": PAGES} if paged else {}))  # fmt: skip
+    engine.warm_up()
+    out = {}
+    for _ in range(2):  # the first round compiles what warm-up did not
+        engine.reset()
+        for k in range(4):
+            question = " ".join(f"w{k}x{j}" for j in range(words))
+            body = {"thinking": {"type": "disabled"},
+                    "messages": [{"role": "user", "content": question}]}  # fmt: skip
+            greedy = SamplingParams(temperature=0.0)
+            req = parse_messages_request(body)
+            engine.submit(engine.prepare_request(req, max_tokens=reply, sampling=greedy))
+        tokens, t0 = 0, None
+        while engine.busy:
+            active = engine.rows_active
+            if active == 4 and t0 is None and engine._prefilling is None:
+                t0 = time.perf_counter()
+            engine.tick()
+            if t0 is not None:
+                tokens += active
+        wall = time.perf_counter() - t0
+        out = {"context": ctx, "paged_rows": paged, "rows": 4, "tokens": tokens,
+               "aggregate_decode_tok_s": round(tokens / wall, 2)}  # fmt: skip
+    return out
 
 
 def run(cfg: Any, params: Any, ctx: int, words: int, reply: int, before: bool,
-        dtype: str = "f32") -> dict[str, Any]:  # fmt: skip
+        dtype: str = "f32", paged: bool = False) -> dict[str, Any]:  # fmt: skip
     from ds4jax.chat.anthropic import parse_messages_request
     from ds4jax.chat.tokenizer import V4Tokenizer
     from ds4jax.engine import Engine, SamplingParams
     from ds4jax.model.state import holds
 
-    kw = {"span_base": ctx} if before else {}
+    kw: dict[str, Any] = {"span_base": ctx} if before else {}
+    if paged:
+        kw["paged_pages"] = PAGES
     cfg = cfg.replace(state_dtype=dtype)
     engine = Engine(cfg, params, V4Tokenizer(), max_len=ctx, sessions=1, max_batch=1,
                     chunk_sizes=(64, 512), **kw)  # fmt: skip
@@ -48,9 +89,11 @@ def run(cfg: Any, params: Any, ctx: int, words: int, reply: int, before: bool,
     res, wall = runs[-1]
     decode_s = wall - res.prefill_seconds
     state = engine.pool.sessions[res.session].live.state
-    span = next(s for s in engine.spans if holds(cfg, state, s))
+    span = (engine.spans[0] if paged else  # a paged frontier has no capacity: its pages
+            next(s for s in engine.spans if holds(cfg, state, s)))  # fmt: skip
     return {
-        "context": ctx, "spans": not before, "state_dtype": dtype, "warm_up_s": round(warm, 2),
+        "context": ctx, "spans": not before, "state_dtype": dtype, "paged_rows": paged,
+        "warm_up_s": round(warm, 2),
         "prompt_tokens": res.prompt_tokens, "output_tokens": res.output_tokens,
         "prefill_tok_s": round(res.prefilled / res.prefill_seconds, 1),
         "decode_tok_s": round(res.output_tokens / decode_s, 2),
@@ -69,19 +112,30 @@ def main(quick: bool = False) -> dict[str, Any]:
     cases = [(8192, False, "f32"), (1 << 20, False, "f32"), (8192 if quick else 32768, True, "f32"),
              (8192, False, "fp8")]  # fmt: skip
     rows = [run(cfg, params, ctx, words, reply, before, d) for ctx, before, d in cases]
+    rows += [run(cfg, params, c, words, reply, False, "f32", paged=True) for c in (8192, 1 << 20)]
     first = rows[0]["text"]
     for r in rows:
         r["same_reply"] = r.pop("text") == first
         print(f"   {name} ctx {r['context']:>7} {'spans ' if r['spans'] else 'before'} "
-              f"{r['state_dtype']}: "
+              f"{r['state_dtype']}{' paged rows' if r['paged_rows'] else ''}: "
               f"prompt {r['prompt_tokens']} tokens at {r['prefill_tok_s']} tok/s, decode "
               f"{r['decode_tok_s']} tok/s, state span {r['state_span']} "
               f"({r['state_bytes'] / 2**20:.1f} MiB), warm-up {r['warm_up_s']} s, "
               f"same reply: {r['same_reply']}", flush=True)  # fmt: skip
     ratio = rows[1]["decode_tok_s"] / rows[0]["decode_tok_s"]
     print(f"   decode at ctx 1M / ctx 8k: {ratio:.2f}", flush=True)
+    paged = rows[-2]["decode_tok_s"] / rows[0]["decode_tok_s"]
+    print(f"   decode, rows in pages / dense rows at ctx 8k: {paged:.2f}", flush=True)
+    batches = [batch(cfg, params, 8192, words // 2, reply, p) for p in (False, True)]
+    for b in batches:
+        print(
+            f"   {name} B=4 {'paged' if b['paged_rows'] else 'dense'} rows: "
+            f"{b['aggregate_decode_tok_s']} tok/s in all",
+            flush=True,
+        )
     out = {"date": datetime.now().isoformat(timespec="seconds"), "quick": quick, "model": name,
-           "rows": rows, "decode_1m_over_8k": round(ratio, 3)}  # fmt: skip
+           "rows": rows, "batches": batches, "decode_1m_over_8k": round(ratio, 3),
+           "decode_paged_over_dense_8k": round(paged, 3)}  # fmt: skip
     write_json("context", out, quick)
     return out
 
