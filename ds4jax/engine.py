@@ -978,7 +978,10 @@ class Engine:
         budget = self.pool.budget
         if budget is None:
             return
-        need = capacity_bytes(self.cfg, self._span(tokens))
+        if self.pages is None:
+            need = capacity_bytes(self.cfg, self._span(tokens))
+        else:  # its pages (none shared, at worst) and its small part
+            need = pages_for(tokens) * self.pages.page_nbytes + self.pages.small_nbytes
         with self._state_lock:
             busy = self._busy_slots() - {slot}
             held = held_bytes(self.pool, busy)

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, Phase, given, settings
 
 from ds4jax.engine import Engine
+from ds4jax.kvstore.disk import DiskStore
+from ds4jax.model.page_io import PagedFrontier
 from tests.continuation.test_batching import active_rows, fresh, prepared
+from tests.continuation.test_sessions import interleavings, play_both, same_outcomes
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +58,38 @@ def test_rows_in_pages_decode_together_as_dense_rows(engines) -> None:
     del live, t, tickets  # (a ticket holds its session, and so its frontiers)
     paged.pages._drain()
     assert paged.pages.pool.used == used
+
+
+@settings(max_examples=2, deadline=None, derandomize=True, phases=[Phase.generate],
+          suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                 HealthCheck.too_slow])  # fmt: skip
+@given(plan=interleavings())
+def test_under_page_pressure_with_host_ram_and_disk_every_turn_is_the_calm_one(
+    engines, tmp_path_factory, plan
+) -> None:
+    """The interleaved agents of `test_sessions` on rows in pages with room for a few
+    pages: evicted sessions go to a small host-RAM tier, its overflow to a disk store, and
+    come back from either. Every turn gives the unpressured engine's text; every page a
+    retained frontier holds is held (none freed under it, none leaked); and every live
+    frontier equals a cold prefill of its tokens."""
+    calm, paged = engines
+    store = DiskStore(tmp_path_factory.mktemp("kv"), "paged-rows", cfg=paged.cfg,
+                      max_len=paged.max_len, tokenizer=paged.tokenizer, min_tokens=1)  # fmt: skip
+    pressed = Engine(paged.cfg, paged.params, paged.tokenizer, max_len=paged.max_len,
+                     chunk_sizes=paged.chunk_sizes, sessions=6, fork_points=True, max_batch=4,
+                     paged_pages=256, store=store, background_saves=False,
+                     host_budget_bytes=2 * paged.state_nbytes)  # fmt: skip
+    p = pressed.pages
+    want, got = play_both(calm, pressed, plan, budget_bytes=4 * p.page_nbytes + 3 * p.small_nbytes)
+    assert same_outcomes(got, want, source=False)
+    assert pressed.pool.state_bytes() <= pressed.pool.budget
+    p._drain()
+    frontiers = [s.live for s in pressed.pool.sessions if s.live is not None]
+    frontiers += [f.frontier for f in pressed.pool.forks]
+    paged_states = [f.state for f in frontiers if isinstance(f.state, PagedFrontier)]
+    held = set().union(*(s.table.pages for s in paged_states))
+    assert all(p.pool.refs[q] > 0 for q in held) and p.pool.used == len(held)
+    for f in frontiers:
+        if isinstance(f.state, PagedFrontier):
+            cold = pressed.logits_for(f.tokens)
+            assert np.abs(cold - np.asarray(p.dense(f.state).logits)).max() <= 1e-5

@@ -46,10 +46,13 @@ def pool_engine(_engine: Engine) -> Engine:
     )
 
 
-def fresh(engine: Engine, sessions: int, budget_states: int | None = None) -> Engine:
-    engine._pool_args["budget"] = (
-        None if budget_states is None else budget_states * (engine.state_nbytes)
-    )
+def fresh(engine: Engine, sessions: int, budget_states: int | None = None,
+          budget_bytes: int | None = None) -> Engine:  # fmt: skip
+    """`engine` with no session or tool memory, under a budget of `budget_states` dense
+    states or `budget_bytes` (a paged engine's few pages), or none."""
+    if budget_states is not None:
+        budget_bytes = budget_states * engine.state_nbytes
+    engine._pool_args["budget"] = budget_bytes
     engine.pool = type(engine.pool).create(sessions, **engine._pool_args)
     engine.tool_memory = type(engine.tool_memory)()
     return engine
@@ -113,13 +116,15 @@ def tool_call_and_follow(engine: Engine) -> tuple[Result, dict]:
     return res, follow
 
 
-def play_both(reference: Engine, other: Engine, plan, budget_states: int | None = None):
+def play_both(reference: Engine, other: Engine, plan, budget_states: int | None = None,
+              budget_bytes: int | None = None):  # fmt: skip
     """An `interleavings` plan played on a reference engine and on `other` (its budget in
-    states, if any), each with a session per conversation line: (want, got)."""
+    states or bytes, if any), each with a session per conversation line: (want, got)."""
     scripts, parallel, order = plan
     lines = sum(1 + s.count("retry") + s.count("side") for s in scripts)
     want = play(fresh(reference, lines), dict(enumerate(scripts)), parallel, order)
-    got = play(fresh(other, lines, budget_states), dict(enumerate(scripts)), parallel, order)
+    other = fresh(other, lines, budget_states, budget_bytes)
+    got = play(other, dict(enumerate(scripts)), parallel, order)
     return want, got
 
 

@@ -23,7 +23,10 @@ SCRIPT = textwrap.dedent(
     from ds4jax.model.state import init_state
     from tests.model.conftest import small_config
 
-    cfg = small_config(num_experts=8, quant_sim=False)
+    # every layer kind once (sliding only, CSA ratio 4, HCA ratio 8; hash and learned MoE):
+    # the layers shard alike, so small_config's five compile no more than these three prove
+    cfg = small_config(num_layers=3, compress_ratios=(0, 4, 8), hash_layers=(True, False, False),
+                       num_experts=8, quant_sim=False)
     params = init_params(cfg, seed=7)
     toks = np.random.default_rng(2).integers(0, cfg.vocab_size, 40)
     one_dev = jax.device_put(params, jax.devices()[0])
@@ -80,48 +83,44 @@ SCRIPT = textwrap.dedent(
     print("batch_max_err", berr)
     assert berr <= 1e-5, berr
 
-    # the engine on the mesh: two requests batched, the same greedy text and final logits
-    from ds4jax.chat.anthropic import parse_messages_request
-    from ds4jax.chat.tokenizer import V4Tokenizer
-    from ds4jax.config import load_config
-    from ds4jax.engine import Engine, SamplingParams
-    from ds4jax.model.sharding import default_mesh, parse_mesh
+    # the CLI takes the same flag: dump-logits on the mesh equals one device
+    import os, tempfile
+    from ds4jax import cli
 
-    tiny = load_config("tiny").replace(quant_sim=False)
-    tp = init_params(tiny, 0)
-    tok = V4Tokenizer()
+    d = tempfile.mkdtemp()
+    for name, spec in (("one", "none"), ("mesh", "expert=2,tensor=4")):
+        argv = ["dump-logits", "--config", "tiny", "--prompt", "hello there", "--quant-sim",
+                "off", "--mesh", spec, "--out", os.path.join(d, name + ".npy")]
+        assert cli.main(argv) == 0
+    a, b = (np.load(os.path.join(d, n + ".npy")) for n in ("one", "mesh"))
+    cerr = float(np.abs(a - b).max())
+    print("cli_max_err", cerr)
+    assert cerr <= 1e-5, cerr
 
-    def serve_two(engine):
-        out = []
-        for text in ("Name a river.", "Count to three."):
-            body = {"messages": [{"role": "user", "content": text}],
-                    "thinking": {"type": "disabled"}}
-            req = engine.prepare_request(parse_messages_request(body), max_tokens=6,
-                                         sampling=SamplingParams(temperature=0.0))
-            out.append(engine.submit(req))
-        while engine.busy:
-            engine.tick()
-        lives = [engine.pool.sessions[t.result.session].live for t in out]
-        return [t.result.raw_text for t in out], [np.asarray(l.state.logits) for l in lives]
+    # --weights fp8 on the mesh: the release's FP8/FP4 tensors sharded as they are, the same
+    # logits as dequantized at load on one device
+    from ds4jax.model.official import write_official_checkpoint
 
-    kw = dict(max_len=256, chunk_sizes=(16, 64), sessions=2, max_batch=2)
-    texts1, logits1 = serve_two(Engine(tiny, one(tp), tok, **kw))
-    m = parse_mesh("expert=2,tensor=4")
-    assert dict(m.shape) == {"expert": 2, "tensor": 4}
-    texts8, logits8 = serve_two(Engine(tiny, shard_params(tp, tiny, m), tok, mesh=m, **kw))
-    assert texts8 == texts1, (texts8, texts1)
-    eerr = max(float(np.abs(a - b).max()) for a, b in zip(logits1, logits8))
-    print("engine_max_err", eerr)
-    assert eerr <= 1e-5, eerr
-    dm = default_mesh(small_config(num_heads=8, index_heads=16))
-    assert dm is not None and dict(dm.shape) == {"expert": 1, "tensor": 8}
-    assert default_mesh(small_config(num_heads=4)) is None  # 4 heads do not divide by 8
-
+    rel, ids = os.path.join(d, "release"), os.path.join(d, "ids.txt")
+    small = small_config(num_layers=2, compress_ratios=(4, 8), hash_layers=(True, False),
+                         num_experts=8, quant_sim=False)
+    write_official_checkpoint(init_params(small, 3), small, rel, fp8_head=True)
+    open(ids, "w").write(" ".join(str(t) for t in range(3, 40)))
+    for name, weights, spec in (("bf16", "bf16", "none"), ("fp8", "fp8", "expert=2,tensor=4")):
+        argv = ["dump-logits", "--model", rel, "--weights", weights, "--tokens", ids,
+                "--quant-sim", "off", "--mesh", spec, "--out", os.path.join(d, name + ".npy")]
+        assert cli.main(argv) == 0
+    a, b = (np.load(os.path.join(d, n + ".npy")) for n in ("bf16", "fp8"))
+    ferr = float(np.abs(a - b).max())
+    print("fp8_mesh_err", ferr)
+    assert ferr <= 1e-5, ferr
     """
 )
 
-#: the disk and CLI half, run beside the first (each waits on XLA compiles)
-DISK_CLI_SCRIPT = textwrap.dedent(
+#: the engine and disk half, run beside the first (each mostly waits on XLA compiles); the
+#: engines of both its parts are the same, so none compiles twice, as it did when the
+#: two halves each built them at once
+ENGINE_DISK_SCRIPT = textwrap.dedent(
     """
     import jax, numpy as np
     assert len(jax.devices()) == 8, jax.devices()
@@ -139,6 +138,34 @@ DISK_CLI_SCRIPT = textwrap.dedent(
     kw = dict(max_len=256, chunk_sizes=(16, 64), sessions=2, max_batch=2)
     one = lambda x: jax.device_put(x, jax.devices()[0])
     m = parse_mesh("expert=2,tensor=4")
+
+    # the engine on the mesh: two requests batched, the same greedy text and final logits
+    # (the same engines as the disk round trip below, so each compiles once in this run)
+    from ds4jax.model.sharding import default_mesh
+
+    def serve_two(engine):
+        out = []
+        for text in ("Name a river.", "Count to three."):
+            body = {"messages": [{"role": "user", "content": text}],
+                    "thinking": {"type": "disabled"}}
+            req = engine.prepare_request(parse_messages_request(body), max_tokens=6,
+                                         sampling=SamplingParams(temperature=0.0))
+            out.append(engine.submit(req))
+        while engine.busy:
+            engine.tick()
+        lives = [engine.pool.sessions[t.result.session].live for t in out]
+        return [t.result.raw_text for t in out], [np.asarray(l.state.logits) for l in lives]
+
+    texts1, logits1 = serve_two(Engine(tiny, one(tp), tok, **kw))
+    assert dict(m.shape) == {"expert": 2, "tensor": 4}
+    texts8, logits8 = serve_two(Engine(tiny, shard_params(tp, tiny, m), tok, mesh=m, **kw))
+    assert texts8 == texts1, (texts8, texts1)
+    eerr = max(float(np.abs(a - b).max()) for a, b in zip(logits1, logits8))
+    print("engine_max_err", eerr)
+    assert eerr <= 1e-5, eerr
+    dm = default_mesh(small_config(num_heads=8, index_heads=16))
+    assert dm is not None and dict(dm.shape) == {"expert": 1, "tensor": 8}
+    assert default_mesh(small_config(num_heads=4)) is None  # 4 heads do not divide by 8
 
     # a disk checkpoint written by the engine on the mesh restores on one device (and the
     # other way round): the same prompt continues from it with the same logits
@@ -178,37 +205,6 @@ DISK_CLI_SCRIPT = textwrap.dedent(
     print("cross_mesh_restore_err", xerr)
     assert xerr <= 1e-5, xerr
 
-    # the CLI takes the same flag: dump-logits on the mesh equals one device
-    import os, tempfile
-    from ds4jax import cli
-
-    d = tempfile.mkdtemp()
-    for name, spec in (("one", "none"), ("mesh", "expert=2,tensor=4")):
-        argv = ["dump-logits", "--config", "tiny", "--prompt", "hello there", "--quant-sim",
-                "off", "--mesh", spec, "--out", os.path.join(d, name + ".npy")]
-        assert cli.main(argv) == 0
-    a, b = (np.load(os.path.join(d, n + ".npy")) for n in ("one", "mesh"))
-    cerr = float(np.abs(a - b).max())
-    print("cli_max_err", cerr)
-    assert cerr <= 1e-5, cerr
-
-    # --weights fp8 on the mesh: the release's FP8/FP4 tensors sharded as they are, the same
-    # logits as dequantized at load on one device
-    from ds4jax.model.official import write_official_checkpoint
-
-    rel, ids = os.path.join(d, "release"), os.path.join(d, "ids.txt")
-    small = small_config(num_layers=2, compress_ratios=(4, 8), hash_layers=(True, False),
-                         num_experts=8, quant_sim=False)
-    write_official_checkpoint(init_params(small, 3), small, rel, fp8_head=True)
-    open(ids, "w").write(" ".join(str(t) for t in range(3, 40)))
-    for name, weights, spec in (("bf16", "bf16", "none"), ("fp8", "fp8", "expert=2,tensor=4")):
-        argv = ["dump-logits", "--model", rel, "--weights", weights, "--tokens", ids,
-                "--quant-sim", "off", "--mesh", spec, "--out", os.path.join(d, name + ".npy")]
-        assert cli.main(argv) == 0
-    a, b = (np.load(os.path.join(d, n + ".npy")) for n in ("bf16", "fp8"))
-    ferr = float(np.abs(a - b).max())
-    print("fp8_mesh_err", ferr)
-    assert ferr <= 1e-5, ferr
     """
 )
 
@@ -221,15 +217,15 @@ def test_eight_device_mesh_matches_one_device() -> None:
     procs = [
         subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for script in (SCRIPT, DISK_CLI_SCRIPT)
+        for script in (SCRIPT, ENGINE_DISK_SCRIPT)
     ]  # fmt: skip
     outs = [p.communicate(timeout=600)[0] for p in procs]
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out
     first, second = outs
-    assert "batch_max_err" in first and "engine_max_err" in first and "data_axis_err" in first
-    assert "cli_max_err" in second and "cross_mesh_restore_err" in second
-    assert "fp8_mesh_err" in second
+    assert "batch_max_err" in first and "data_axis_err" in first and "cli_max_err" in first
+    assert "fp8_mesh_err" in first
+    assert "engine_max_err" in second and "cross_mesh_restore_err" in second
 
 
 def test_logical_axes_put_experts_and_heads_on_their_axes() -> None:
