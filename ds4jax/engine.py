@@ -717,7 +717,7 @@ class Engine:
         seed = prepared.sampling.seed
         if seed is None:
             seed = int.from_bytes(hashlib.blake2b(prepared.nonce, digest_size=4).digest()) >> 1
-        key = jax.random.key(seed)
+        key = jax.random.key(seed % (1 << 63))  # a client's seed of any size
         self._keys[row] = np.asarray(jax.random.key_data(key))
         if self.pages is not None:  # the row holds the prompt end's pages and its small part
             self._tables[row] = self.pages.pool.hold(kept.table)
@@ -750,7 +750,7 @@ class Engine:
             sp = ticket.prepared.sampling
             temperature[row], top_k[row], top_p[row], min_p[row] = (
                 sp.temperature,
-                sp.top_k,
+                min(sp.top_k, self.cfg.vocab_size),  # past the vocabulary: all of it, as off
                 sp.top_p,
                 sp.min_p,
             )

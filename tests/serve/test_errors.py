@@ -242,6 +242,13 @@ async def test_hostile_field_values_are_400_not_500(
     assert_anthropic_error(resp, 400, "invalid_request_error")
 
 
+async def test_a_top_k_past_the_vocabulary_samples_from_all_of_it(raw: httpx2.AsyncClient):
+    """A valid `top_k` of any size (the fuzzer's 10**20 once overflowed the step's int32
+    into a 500) keeps every token, as no top-k does."""
+    resp = await raw.post("/v1/messages", json=body(**force("ok"), top_k=10**20))
+    assert resp.status_code == 200 and resp.json()["content"][0]["text"] == "ok"
+
+
 async def test_deeply_nested_json_is_400(raw: httpx2.AsyncClient) -> None:
     deep = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     resp = await raw.post("/v1/messages", content=deep)
