@@ -26,12 +26,8 @@ $(VENV)/.test: pyproject.toml | $(BIN)/python
 serve: $(VENV)/.runtime
 	$(BIN)/ds4jax serve --host $(HOST) --port $(PORT)
 
-# Two workers, a test file each at a time: the suite is mostly XLA compiles, one thread
-# each, so two overlap on CI's two cores. `make test TEST_WORKERS=0` runs it in one process.
-TEST_WORKERS ?= 2
-
 test: $(VENV)/.test
-	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(BIN)/python -m pytest -q
 
 bench: $(VENV)/.test
 	$(BIN)/python -m bench

@@ -167,8 +167,9 @@ def test_a_reply_cut_short_still_shares_its_prompt(pool_engine):
     assert np.abs(cold - np.asarray(point.frontier.state.logits)).max() <= 1e-5
 
 
-def test_single_session_engine_keeps_the_original_rules(_engine):
-    assert len(_engine.pool.sessions) == 1 and not _engine.pool.keep_forks
+def test_single_session_engine_keeps_the_original_rules(engine):
+    # (the reset engine: a test before may have switched its pool's fork points on)
+    assert len(engine.pool.sessions) == 1 and not engine.pool.keep_forks
 
 
 def test_the_budget_counts_what_a_state_really_holds(_engine):
