@@ -70,12 +70,6 @@ class Frontiers(RuleBasedStateMachine):
             page = table.pages[pos // PAGE_TOKENS]
             self.data.setdefault(page, [None] * PAGE_TOKENS)[pos % PAGE_TOKENS] = values[pos]
 
-    def _copy(self, copies: list) -> None:
-        """The copies growth asked for, as the step makes them: the source's first tokens."""
-        for c in copies:
-            src = self.data.get(c.src, [None] * PAGE_TOKENS)
-            self.data[c.dst] = [*src[: c.tokens], *([None] * (PAGE_TOKENS - c.tokens))]
-
     def _values(self, n: int) -> list[int]:
         self.next_value += n
         return list(range(self.next_value - n, self.next_value))
@@ -101,7 +95,9 @@ class Frontiers(RuleBasedStateMachine):
             return
         # only a partial last page is ever copied, never a full one
         assert len(copies) <= 1 and all(0 < c.tokens < PAGE_TOKENS for c in copies)
-        self._copy(copies)
+        for c in copies:
+            src = self.data.get(c.src, [None] * PAGE_TOKENS)
+            self.data[c.dst] = [*src[: c.tokens], *([None] * (PAGE_TOKENS - c.tokens))]
         new_values = [*values, *self._values(tokens)]
         self._write(grown, new_values, table.tokens)
         self.frontiers.append((grown, new_values))
@@ -117,7 +113,9 @@ class Frontiers(RuleBasedStateMachine):
             grown, copies = self.pool.advance(table, tokens)
         except OutOfPages:
             return
-        self._copy(copies)
+        for c in copies:
+            src = self.data.get(c.src, [None] * PAGE_TOKENS)
+            self.data[c.dst] = [*src[: c.tokens], *([None] * (PAGE_TOKENS - c.tokens))]
         new_values = [*values, *self._values(tokens)]
         self._write(grown, new_values, table.tokens)
         self.frontiers[i] = (grown, new_values)
