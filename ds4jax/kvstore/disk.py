@@ -83,9 +83,10 @@ from ds4jax.model.state import DecodeState, span_for, spans, window
 
 log = logging.getLogger("ds4jax.kvstore")
 
-#: 2: one payload array, zarr3, no compression; 3: rows in the state dtype (`payload`),
-#: so a checkpoint of an older format is ignored with a log line, never misread
-FORMAT = "ds4jax-kv/3"
+#: 2: one payload array, zarr3, no compression; 3: rows in the state dtype (`payload`); 4:
+#: rings with rewind room (`model.state`); a checkpoint of an older format is ignored with
+#: a log line, never misread
+FORMAT = "ds4jax-kv/4"
 KEY_TOKEN_TEXT = "token-text"
 REASONS = ("cold", "continued", "evict", "shutdown")
 TMP_PREFIX = ".tmp-"

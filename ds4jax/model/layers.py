@@ -79,6 +79,22 @@ def hc_head(cfg: Config, X: jax.Array, p: Params) -> jax.Array:
 # ---------------------------------------------------------------- compressor §2.5.3
 
 
+def ring_read(ring: jax.Array, positions: jax.Array, n: jax.Array, empty: float) -> jax.Array:
+    """The rows of `positions` from a ring whose slot is position mod its size, `empty`
+    where a position is not held (< 0, or ≥ the `n` positions written)."""
+    held = ((positions >= 0) & (positions < n))[:, None]
+    return jnp.where(held, ring[jnp.mod(positions, ring.shape[0])], empty)
+
+
+def ring_write(ring: jax.Array, rows: jax.Array, n: jax.Array, n_valid: jax.Array) -> jax.Array:
+    """`ring` after positions n … n + n_valid − 1 (the first `n_valid` of `rows`) were written
+    to their slots; of a chunk longer than the ring only the last ring-size rows land."""
+    size = ring.shape[0]
+    j = jnp.arange(rows.shape[0])
+    write = (j < n_valid) & (j >= n_valid - size)
+    return ring.at[jnp.where(write, jnp.mod(n + j, size), size)].set(rows, mode="drop")
+
+
 def _pool(kv: jax.Array, score: jax.Array) -> jax.Array:
     """Softmax over axis 1 of `score`, weighted sum of `kv`; an all −∞ column pools to 0."""
     m = jnp.max(score, axis=1, keepdims=True)
@@ -104,21 +120,25 @@ def compress(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Feed a chunk into a compressor; emit its completed windows into `rows`.
 
-    kv_new, score_new: [T, lanes·dim] (score with ape). st_*: the canonical frontier
-    [lanes·ratio, lanes·dim]. `finish(pooled, window_start_positions)` turns pooled rows
-    into stored rows (norm, RoPE, quantization simulation). Returns (rows, st_kv, st_score).
+    kv_new, score_new: [T, lanes·dim] (score with ape). st_*: the frontier rings
+    [lanes·ratio + REWIND, lanes·dim] (model/state.py). `finish(pooled,
+    window_start_positions)` turns pooled rows into stored rows (norm, RoPE, quantization
+    simulation). Returns (rows, st_kv, st_score).
 
-    The frontier and the chunk are laid out in one buffer whose row i is position
-    start + i, start = ratio·⌊n/ratio⌋ − (lanes−1)·ratio, so windows are buffer-aligned.
-    With two lanes (CSA, overlapping windows) the row of window k pools lane 0 of window
-    k−1 with lane 1 of window k.
+    The frontier's pending positions (read from the ring by position) and the chunk are
+    laid out in one buffer whose row i is position start + i, start = ratio·⌊n/ratio⌋ −
+    (lanes−1)·ratio, so windows are buffer-aligned. With two lanes (CSA, overlapping
+    windows) the row of window k pools lane 0 of window k−1 with lane 1 of window k.
     """
     T = kv_new.shape[0]
     r, c = ratio, lanes
     n_win = c + -(-T // r)
     start = r * (n // r) - (c - 1) * r
-    buf_kv = jnp.zeros((n_win * r, c * dim), kv_new.dtype).at[: c * r].set(st_kv)
-    buf_sc = jnp.full((n_win * r, c * dim), NEG_INF, kv_new.dtype).at[: c * r].set(st_score)
+    fpos = start + jnp.arange(c * r)
+    buf_kv = jnp.zeros((n_win * r, c * dim), kv_new.dtype)
+    buf_kv = buf_kv.at[: c * r].set(ring_read(st_kv, fpos, n, 0.0))
+    buf_sc = jnp.full((n_win * r, c * dim), NEG_INF, kv_new.dtype)
+    buf_sc = buf_sc.at[: c * r].set(ring_read(st_score, fpos, n, NEG_INF))
     buf_kv = jax.lax.dynamic_update_slice(buf_kv, kv_new, (n - start, 0))
     buf_sc = jax.lax.dynamic_update_slice(buf_sc, score_new, (n - start, 0))
 
@@ -140,14 +160,8 @@ def compress(
     complete = (first + j + 1) * r <= n + n_valid
     cap = rows.shape[0]
     rows = rows.at[jnp.where(complete, first + j, cap)].set(new_rows, mode="drop")
-
-    n2 = n + n_valid
-    start2 = r * (n2 // r) - (c - 1) * r
-    st_kv = jax.lax.dynamic_slice(buf_kv, (start2 - start, 0), (c * r, c * dim))
-    st_score = jax.lax.dynamic_slice(buf_sc, (start2 - start, 0), (c * r, c * dim))
-    fpos = start2 + jnp.arange(c * r)
-    live = ((fpos >= 0) & (fpos < n2))[:, None]
-    return rows, jnp.where(live, st_kv, 0.0), jnp.where(live, st_score, NEG_INF)
+    st_kv = ring_write(st_kv, kv_new, n, n_valid)
+    return rows, st_kv, ring_write(st_score, score_new, n, n_valid)
 
 
 # ---------------------------------------------------------------- attention §2.5
@@ -221,7 +235,7 @@ def attention(
     n_valid: jax.Array,
 ) -> tuple[jax.Array, LayerState]:
     T = x.shape[0]
-    H, hd, W = cfg.num_heads, cfg.head_dim, ls.raw.shape[0]
+    H, hd, W, R = cfg.num_heads, cfg.head_dim, cfg.sliding_window, ls.raw.shape[0]
     kind = cfg.layer_kind(layer)
     freqs = inv_freqs(cfg, compressed=kind != "sliding")
     valid = jnp.arange(T) < n_valid
@@ -232,9 +246,11 @@ def attention(
     kv = apply_rope(rmsw(linear(x, p["wkv"]), p["kv_norm"], cfg.rms_eps), positions, freqs)
     kv = _stored(cfg, _kv_fp8(cfg, kv))
 
-    # raw window: ring keys (positions < n) then the chunk's own keys
-    slots = jnp.arange(W)
-    ring_pos = (n - 1) - jnp.mod(n - 1 - slots, W)
+    # raw window: ring keys (positions < n) then the chunk's own keys; a ring slot holds
+    # the last position < n of its residue, one a rewound state wrote past n is masked
+    # (it is older than the window by the ring's REWIND room)
+    slots = jnp.arange(R)
+    ring_pos = (n - 1) - jnp.mod(n - 1 - slots, R)
     keys = jnp.concatenate([ls.raw, kv])
     key_pos = jnp.concatenate([ring_pos, positions])
     key_ok = jnp.concatenate([ring_pos >= 0, valid])
@@ -243,10 +259,7 @@ def attention(
     sink = p["attn_sink"]
     attend = pallas_kernels.select(cfg.attention_impl, "sink_attention")
 
-    j = jnp.arange(T)
-    write = valid & (j >= n_valid - W)
-    raw = ls.raw.at[jnp.where(write, jnp.mod(n + j, W), W)].set(kv, mode="drop")
-    new = LayerState(raw)
+    new = LayerState(ring_write(ls.raw, kv, n, n_valid))
 
     if kind == "sliding":
         o = attend(q, keys, raw_mask, sink)

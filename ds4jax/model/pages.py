@@ -14,8 +14,8 @@ indexer rows. `--state-dtype`:
 The per-session part is what does not grow with the context: the sliding-window ring (in
 the state dtype, as rows of the same record), the compressors' frontiers (f32: they are
 sums in progress, not rows), the next-token logits and the position. The window ring and
-the compressor frontiers get `REWIND` extra positions, the room a frontier needs to step
-back over rejected draft tokens by resetting its length (`speculative-decoding.md`).
+the compressor frontiers are the model's own rings (`model.state`), with their `REWIND`
+positions of room to step back over rejected draft tokens by resetting the length.
 """
 
 from __future__ import annotations
@@ -31,14 +31,12 @@ import numpy as np
 from ds4jax.config import Config
 from ds4jax.kvstore.pages import PAGE_TOKENS
 from ds4jax.model.quant_sim import fp8_decode, fp8_encode
-from ds4jax.model.state import overlap
+from ds4jax.model.state import frontier_rows, overlap, window
 
 STATE_DTYPES = ("f32", "bf16", "fp8")
 PLAIN = {"f32": jnp.float32, "bf16": jnp.bfloat16}  # rows stored as plain values
 #: values per UE8M0 scale byte in an fp8 record (the release's quantization group)
 FP8_GROUP = 64
-#: positions a frontier can step back (draft verification), room in its rings
-REWIND = 4
 
 
 def _rows(lead: tuple[int, ...], width: int, rope: int, dtype: str) -> dict[str, Any]:
@@ -164,16 +162,16 @@ def session_arrays(cfg: Config, dtype: str) -> dict[str, Any]:
     _check(dtype)
     layers = []
     for i in range(cfg.num_layers):
-        ring = cfg.sliding_window + REWIND
+        ring = window(cfg, 0)
         layer: dict[str, Any] = {"raw": _rows((ring,), cfg.head_dim, cfg.rope_dim, dtype)}
         kind = cfg.layer_kind(i)
         if kind != "sliding":
-            r, c = cfg.compress_ratios[i], overlap(cfg, i)
-            shape = (c * r + REWIND, c * cfg.head_dim)
+            c = overlap(cfg, i)
+            shape = (frontier_rows(cfg, i), c * cfg.head_dim)
             layer["comp_kv"] = jnp.zeros(shape, jnp.float32)
             layer["comp_score"] = jnp.zeros(shape, jnp.float32)
             if kind == "csa":
-                shape = (2 * r + REWIND, 2 * cfg.index_head_dim)
+                shape = (frontier_rows(cfg, i, index=True), 2 * cfg.index_head_dim)
                 layer["idx_kv"] = jnp.zeros(shape, jnp.float32)
                 layer["idx_score"] = jnp.zeros(shape, jnp.float32)
         layers.append(layer)

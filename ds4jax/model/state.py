@@ -6,10 +6,18 @@ rows (capacity from the maximum context), the compressor frontier (kv and score)
 CSA layers the indexer rows and the indexer frontier. Shapes are static, so one compiled
 forward serves every length.
 
-The frontier is kept canonical after every call (spec §3.3): for ratio r with overlap
-factor c (2 for CSA, 1 for HCA) row i holds the token at position r·⌊n/r⌋ − (c−1)·r + i;
-rows at positions < 0 or ≥ n are (0, −∞). Prefill and decode therefore leave identical
-states, and two states of the same tokens compare equal leaf by leaf.
+Every per-position buffer is a ring with `REWIND` slots more than the model reads: the
+raw window holds the last `sliding_window + REWIND` positions (slot = position mod its
+size) and a compressor frontier, for ratio r with overlap factor c (2 for CSA, 1 for HCA),
+the last c·r + REWIND positions (slot = position mod c·r + REWIND), slots of positions < 0
+holding (0, −∞). What the model reads of a frontier — the positions from r·⌊n/r⌋ − (c−1)·r
+to n (spec §3.3) — is gathered from the ring by position. So a frontier steps back up to
+`REWIND` positions by resetting its length (`rewind`): the rows of the positions it steps
+back to were not overwritten, and the rows past its length are masked by position until
+it writes them again — how draft tokens are rejected inside a verification step
+(`speculative-decoding.md`), never a cache for mismatched requests. A state that never
+stepped back is a function of its tokens alone: prefill and decode leave identical states,
+and two states of the same tokens compare equal leaf by leaf.
 """
 
 from __future__ import annotations
@@ -24,16 +32,20 @@ import numpy as np
 
 from ds4jax.config import Config
 
+#: positions a frontier can step back by resetting its length (draft verification): the
+#: room every per-position ring has beyond what the model reads
+REWIND = 4
+
 
 @jax.tree_util.register_dataclass
 @dataclass
 class LayerState:
-    raw: jax.Array  # [W, head_dim] ring, slot = position mod W
+    raw: jax.Array  # [W + REWIND, head_dim] ring, slot = position mod its size
     comp: jax.Array | None = None  # [capacity, head_dim]
-    comp_kv: jax.Array | None = None  # [c·r, c·head_dim]
-    comp_score: jax.Array | None = None  # [c·r, c·head_dim], ape included
+    comp_kv: jax.Array | None = None  # [c·r + REWIND, c·head_dim] ring, as `raw`
+    comp_score: jax.Array | None = None  # [c·r + REWIND, c·head_dim], ape included
     idx: jax.Array | None = None  # [capacity, index_head_dim]
-    idx_kv: jax.Array | None = None  # [2·r, 2·index_head_dim]
+    idx_kv: jax.Array | None = None  # [2·r + REWIND, 2·index_head_dim] ring
     idx_score: jax.Array | None = None
 
 
@@ -55,7 +67,17 @@ class DecodeState:
 
 
 def window(cfg: Config, max_len: int) -> int:
-    return min(cfg.sliding_window, max_len)
+    """Slots of the raw window ring: the sliding window and the rewind room. The same for
+    every context (`max_len` is kept for the callers that size a state by it)."""
+    del max_len
+    return cfg.sliding_window + REWIND
+
+
+def frontier_rows(cfg: Config, layer: int, index: bool = False) -> int:
+    """Slots of a compressor's frontier ring (the indexer's with `index`): the c·r positions
+    it pools and the rewind room."""
+    c = 2 if index else overlap(cfg, layer)
+    return c * cfg.compress_ratios[layer] + REWIND
 
 
 def overlap(cfg: Config, layer: int) -> int:
@@ -76,24 +98,34 @@ def init_state(cfg: Config, max_len: int, dtype: jnp.dtype = jnp.float32) -> Dec
         if kind == "sliding":
             layers.append(LayerState(raw))
             continue
-        r, c = cfg.compress_ratios[i], overlap(cfg, i)
+        c = overlap(cfg, i)
         cap = capacity(cfg, i, max_len)
         ls = LayerState(
             raw,
             comp=jnp.zeros((cap, cfg.head_dim), dtype),
-            comp_kv=jnp.zeros((c * r, c * cfg.head_dim), dtype),
-            comp_score=jnp.full((c * r, c * cfg.head_dim), -jnp.inf, dtype),
+            comp_kv=jnp.zeros((frontier_rows(cfg, i), c * cfg.head_dim), dtype),
+            comp_score=jnp.full((frontier_rows(cfg, i), c * cfg.head_dim), -jnp.inf, dtype),
         )
         if kind == "csa":
+            rows = frontier_rows(cfg, i, index=True)
             ls.idx = jnp.zeros((cap, cfg.index_head_dim), dtype)
-            ls.idx_kv = jnp.zeros((2 * r, 2 * cfg.index_head_dim), dtype)
-            ls.idx_score = jnp.full((2 * r, 2 * cfg.index_head_dim), -jnp.inf, dtype)
+            ls.idx_kv = jnp.zeros((rows, 2 * cfg.index_head_dim), dtype)
+            ls.idx_score = jnp.full((rows, 2 * cfg.index_head_dim), -jnp.inf, dtype)
         layers.append(ls)
     return DecodeState(
         layers=tuple(layers),
         pos=jnp.zeros((), jnp.int32),
         logits=jnp.zeros((cfg.vocab_size,), jnp.float32),
     )
+
+
+def rewind(state: DecodeState, pos: jax.Array | int, logits: jax.Array) -> DecodeState:
+    """`state` stepped back to `pos` (at most `REWIND` positions before its own), with the
+    next-token `logits` of that position, which the step that went past it computed. Only
+    the length changes: the rows of the positions past `pos` stay in the rings, masked by
+    position, until the state writes those positions again. The caller checks the bound
+    (a jitted step cannot raise): past it the state reads overwritten rows."""
+    return replace(state, pos=jnp.asarray(pos, jnp.int32), logits=logits)
 
 
 #: the capacity a state starts with (tokens); a state grows to the next span when its
@@ -171,16 +203,16 @@ def state_bytes(cfg: Config, length: int, bytes_per_value: int = 4) -> int:
     n = length
     total = cfg.vocab_size * 4
     for i in range(cfg.num_layers):
-        total += min(n, cfg.sliding_window) * cfg.head_dim * bytes_per_value
+        total += min(n, window(cfg, n)) * cfg.head_dim * bytes_per_value
         kind = cfg.layer_kind(i)
         if kind == "sliding":
             continue
         r, c = cfg.compress_ratios[i], overlap(cfg, i)
         total += (n // r) * cfg.head_dim * bytes_per_value
-        total += 2 * (c * r) * (c * cfg.head_dim) * bytes_per_value
+        total += 2 * frontier_rows(cfg, i) * (c * cfg.head_dim) * bytes_per_value
         if kind == "csa":
             total += (n // r) * cfg.index_head_dim * bytes_per_value
-            total += 2 * (2 * r) * (2 * cfg.index_head_dim) * bytes_per_value
+            total += 2 * frontier_rows(cfg, i, True) * (2 * cfg.index_head_dim) * bytes_per_value
     return total
 
 

@@ -74,4 +74,4 @@ def test_a_checkpoint_of_the_previous_format_is_ignored_with_a_log_line(
     with caplog.at_level(logging.WARNING, logger="ds4jax.kvstore"):
         fresh = make_store(tmp_path, cfg)
         assert fresh.lookup(convo(SYSTEM, "old")) is None
-    assert "not a ds4jax-kv/3 checkpoint" in caplog.text
+    assert "not a ds4jax-kv/4 checkpoint" in caplog.text
