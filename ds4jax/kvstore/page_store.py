@@ -82,20 +82,12 @@ class PageStore:
         frontier whose tokens `state` extends, lends it every page they share. With its
         `token_ids`, each full page it wrote is shared with a held page that closes the same
         token prefix and holds the same bytes (`_share`)."""
-        self._drain()
-        while True:
-            try:
-                if base is None or base.tokens > tokens:
-                    table, copies = self.pool.new(tokens), []
-                    first = 0
-                else:
-                    table, copies = self.pool.grow(base.table, tokens - base.tokens)
-                    first = base.tokens // PAGE_TOKENS
-                break
-            except OutOfPages as err:  # nothing changed: grow the pool, or give up
-                if self.pool.num_pages >= self.limit:
-                    raise
-                self._extend(max(self.pool.num_pages, err.wanted))
+        if base is None or base.tokens > tokens:
+            table, copies = self._pages(lambda: (self.pool.new(tokens), []))
+            first = 0
+        else:
+            table, copies = self._pages(lambda: self.pool.grow(base.table, tokens - base.tokens))
+            first = base.tokens // PAGE_TOKENS
         self.arrays = page_io.copy(self.arrays, copies)
         self.arrays = page_io.write(self.arrays, state, table, self.cfg, self.dtype, first)
         if token_ids is not None:
@@ -108,17 +100,21 @@ class PageStore:
         """A batch row's table grown by `tokens` in place of `table` (`PagePool.advance`),
         its copies made, the pool grown when short: the row's tail page is then its own
         to write."""
+        table, copies = self._pages(lambda: self.pool.advance(table, tokens))
+        self.arrays = page_io.copy(self.arrays, copies)
+        return table
+
+    def _pages(self, take: Callable[[], Any]) -> Any:
+        """`take()` (a pool call that asks for pages), the pool grown and the call tried
+        again while it is short and under its limit (a short pool changes nothing)."""
         self._drain()
         while True:
             try:
-                table, copies = self.pool.advance(table, tokens)
-                break
+                return take()
             except OutOfPages as err:
                 if self.pool.num_pages >= self.limit:
                     raise
                 self._extend(max(self.pool.num_pages, err.wanted))
-        self.arrays = page_io.copy(self.arrays, copies)
-        return table
 
     def adopt(self, table: PageTable, small: DecodeState) -> page_io.PagedFrontier:
         """The frontier of a batch row that left: its table (whose references it takes

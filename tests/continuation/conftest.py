@@ -31,6 +31,12 @@ def _engine() -> Engine:
     return Engine(cfg, init_params(cfg, 0), V4Tokenizer(), max_len=2048, chunk_sizes=(16, 64))
 
 
+def like(e: Engine, **kw: Any) -> Engine:
+    """Another engine on `e`'s model, context and chunk sizes (so it compiles what `e` did),
+    with the pool options `kw` (sessions, fork points, batch, pages, spans…)."""
+    return Engine(e.cfg, e.params, e.tokenizer, max_len=e.max_len, chunk_sizes=e.chunk_sizes, **kw)
+
+
 @pytest.fixture
 def engine(_engine: Engine) -> Engine:
     _engine.reset()

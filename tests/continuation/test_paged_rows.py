@@ -12,18 +12,15 @@ from hypothesis import HealthCheck, Phase, given, settings
 from ds4jax.engine import Engine
 from ds4jax.kvstore.disk import DiskStore
 from ds4jax.model.page_io import PagedFrontier
+from tests.continuation.conftest import like
 from tests.continuation.test_batching import active_rows, fresh, prepared
 from tests.continuation.test_sessions import interleavings, play_both, same_outcomes
 
 
 @pytest.fixture(scope="module")
 def engines(_engine: Engine) -> tuple[Engine, Engine]:
-    def make(**kw) -> Engine:
-        e = _engine
-        return Engine(e.cfg, e.params, e.tokenizer, max_len=e.max_len, chunk_sizes=e.chunk_sizes,
-                      sessions=6, fork_points=True, max_batch=4, **kw)  # fmt: skip
-
-    return make(), make(paged_pages=256)
+    kw = dict(sessions=6, fork_points=True, max_batch=4)
+    return like(_engine, **kw), like(_engine, paged_pages=256, **kw)
 
 
 def test_rows_in_pages_decode_together_as_dense_rows(engines) -> None:
@@ -75,10 +72,16 @@ def test_under_page_pressure_with_host_ram_and_disk_every_turn_is_the_calm_one(
     calm, paged = engines
     store = DiskStore(tmp_path_factory.mktemp("kv"), "paged-rows", cfg=paged.cfg,
                       max_len=paged.max_len, tokenizer=paged.tokenizer, min_tokens=1)  # fmt: skip
-    pressed = Engine(paged.cfg, paged.params, paged.tokenizer, max_len=paged.max_len,
-                     chunk_sizes=paged.chunk_sizes, sessions=6, fork_points=True, max_batch=4,
-                     paged_pages=256, store=store, background_saves=False,
-                     host_budget_bytes=2 * paged.state_nbytes)  # fmt: skip
+    pressed = like(
+        paged,
+        sessions=6,
+        fork_points=True,
+        max_batch=4,
+        paged_pages=256,
+        store=store,
+        background_saves=False,
+        host_budget_bytes=2 * paged.state_nbytes,
+    )
     p = pressed.pages
     want, got = play_both(calm, pressed, plan, budget_bytes=4 * p.page_nbytes + 3 * p.small_nbytes)
     assert same_outcomes(got, want, source=False)

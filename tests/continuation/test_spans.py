@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from ds4jax.engine import Engine
 from ds4jax.model.forward import prefill
 from ds4jax.model.state import holds, init_state, resize, span_for, spans
-from tests.continuation.conftest import TOOLS
+from tests.continuation.conftest import TOOLS, like
 from tests.continuation.test_sessions import (
     SYSTEM,
     fresh,
@@ -74,12 +74,8 @@ def test_resizing_moves_no_value_and_growth_continues_as_a_cold_prefill(_engine)
 def pair(_engine: Engine) -> tuple[Engine, Engine]:
     """One engine whose states all have the context's capacity, one with spans from 1024."""
 
-    def make(**kw) -> Engine:
-        e = _engine
-        return Engine(e.cfg, e.params, e.tokenizer, max_len=e.max_len, chunk_sizes=e.chunk_sizes,
-                      sessions=6, fork_points=True, max_batch=4, **kw)  # fmt: skip
-
-    return make(span_base=_engine.max_len), make(span_base=BASE)
+    kw = dict(sessions=6, fork_points=True, max_batch=4)
+    return like(_engine, span_base=_engine.max_len, **kw), like(_engine, span_base=BASE, **kw)
 
 
 @settings(max_examples=2, deadline=None, derandomize=True,

@@ -70,6 +70,12 @@ class Frontiers(RuleBasedStateMachine):
             page = table.pages[pos // PAGE_TOKENS]
             self.data.setdefault(page, [None] * PAGE_TOKENS)[pos % PAGE_TOKENS] = values[pos]
 
+    def _copy(self, copies: list) -> None:
+        """The copies growth asked for, as the step makes them: the source's first tokens."""
+        for c in copies:
+            src = self.data.get(c.src, [None] * PAGE_TOKENS)
+            self.data[c.dst] = [*src[: c.tokens], *([None] * (PAGE_TOKENS - c.tokens))]
+
     def _values(self, n: int) -> list[int]:
         self.next_value += n
         return list(range(self.next_value - n, self.next_value))
@@ -95,9 +101,7 @@ class Frontiers(RuleBasedStateMachine):
             return
         # only a partial last page is ever copied, never a full one
         assert len(copies) <= 1 and all(0 < c.tokens < PAGE_TOKENS for c in copies)
-        for c in copies:
-            src = self.data.get(c.src, [None] * PAGE_TOKENS)
-            self.data[c.dst] = [*src[: c.tokens], *([None] * (PAGE_TOKENS - c.tokens))]
+        self._copy(copies)
         new_values = [*values, *self._values(tokens)]
         self._write(grown, new_values, table.tokens)
         self.frontiers.append((grown, new_values))
@@ -113,9 +117,7 @@ class Frontiers(RuleBasedStateMachine):
             grown, copies = self.pool.advance(table, tokens)
         except OutOfPages:
             return
-        for c in copies:
-            src = self.data.get(c.src, [None] * PAGE_TOKENS)
-            self.data[c.dst] = [*src[: c.tokens], *([None] * (PAGE_TOKENS - c.tokens))]
+        self._copy(copies)
         new_values = [*values, *self._values(tokens)]
         self._write(grown, new_values, table.tokens)
         self.frontiers[i] = (grown, new_values)

@@ -17,7 +17,8 @@ CONTINUE = 6  # tokens decoded after the step back: more than DEPTH, so every ri
 
 
 def _same(a, b) -> bool:
-    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    return all(np.array_equal(x, y) for x, y in pairs)
 
 
 @pytest.mark.parametrize("detour", ["decode", "chunk"])
