@@ -20,6 +20,7 @@ engine's thread before it next takes pages, so the pool is only ever changed the
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import weakref
 from collections import deque
@@ -106,15 +107,24 @@ class PageStore:
 
     def _pages(self, take: Callable[[], Any]) -> Any:
         """`take()` (a pool call that asks for pages), the pool grown and the call tried
-        again while it is short and under its limit (a short pool changes nothing)."""
+        again while it is short and under its limit (a short pool changes nothing). At the
+        limit the garbage collector runs once before giving up: a dropped frontier gives its
+        pages back by finalizer, and one caught in a reference cycle would hold them until
+        the collector's next pass (seen in the suite: two pages held by nothing live)."""
         self._drain()
+        collected = False
         while True:
             try:
                 return take()
             except OutOfPages as err:
-                if self.pool.num_pages >= self.limit:
+                if self.pool.num_pages < self.limit:
+                    self._extend(max(self.pool.num_pages, err.wanted))
+                elif collected:
                     raise
-                self._extend(max(self.pool.num_pages, err.wanted))
+                else:
+                    collected = True
+                    gc.collect()
+                    self._drain()
 
     def adopt(self, table: PageTable, small: DecodeState) -> page_io.PagedFrontier:
         """The frontier of a batch row that left: its table (whose references it takes

@@ -111,6 +111,28 @@ def test_a_page_store_grows_with_the_tokens_held_up_to_its_limit(paged_states) -
     assert store.pool.used == used and store.pool.num_pages == 8
 
 
+def test_a_full_store_collects_a_dropped_frontier_caught_in_a_reference_cycle(paged_states):
+    """A frontier gives its pages back by finalizer. Dropped inside a reference cycle it is
+    only finalized by the garbage collector, so a store at its limit collects once before
+    refusing, instead of refusing while nothing live holds the pages."""
+    import gc
+
+    from ds4jax.kvstore.page_store import PageStore
+    from ds4jax.model.state import spans
+
+    store = PageStore(CFG, spans(CFG, MAX_LEN, 256), num_pages=5)  # the null page and 4
+    cycle: list = [store.keep(paged_states["live"], 900)]  # all four pages
+    cycle.append(cycle)
+    gc.disable()  # the collector must not run on its own between the drop and the ask
+    try:
+        del cycle
+        assert store.pool.used == 4  # nothing live holds them, the cycle still does
+        store.keep(paged_states["retry"], 650)  # three pages
+    finally:
+        gc.enable()
+    assert store.pool.used == 3
+
+
 def test_pages_closing_the_same_prefix_with_the_same_bytes_are_stored_once(paged_states):
     """Two frontiers kept with no lineage between them (as two conversations' cold
     prefills): the later one's full pages that close the same token prefix and hold the
