@@ -401,7 +401,7 @@ class DiskStore:
         self.fingerprint = fingerprint
         self.cfg = cfg
         self.max_len = max_len
-        self.window = window(cfg, max_len)
+        self.window = window(cfg)
         self.budget_bytes = int((budget_mb or policy.BUDGET_MB) * _MiB)
         self.min_tokens = max(1, min_tokens)
         self.cold_max_tokens = cold_max_tokens if cold else 0

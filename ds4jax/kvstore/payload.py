@@ -149,7 +149,7 @@ def unpack(arrays: Mapping[str, np.ndarray], n: int, cfg: Config, max_len: int) 
         full[: a.shape[0]] = a
         return jnp.asarray(full)
 
-    win = window(cfg, max_len)
+    win = window(cfg)
     layers = []
     for i, tl in enumerate(template.layers):
         if tl.raw.shape[0] != win:

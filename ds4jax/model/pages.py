@@ -162,7 +162,7 @@ def session_arrays(cfg: Config, dtype: str) -> dict[str, Any]:
     _check(dtype)
     layers = []
     for i in range(cfg.num_layers):
-        ring = window(cfg, 0)
+        ring = window(cfg)
         layer: dict[str, Any] = {"raw": _rows((ring,), cfg.head_dim, cfg.rope_dim, dtype)}
         kind = cfg.layer_kind(i)
         if kind != "sliding":

@@ -66,10 +66,9 @@ class DecodeState:
         return allocated_bytes(self)
 
 
-def window(cfg: Config, max_len: int) -> int:
-    """Slots of the raw window ring: the sliding window and the rewind room. The same for
-    every context (`max_len` is kept for the callers that size a state by it)."""
-    del max_len
+def window(cfg: Config) -> int:
+    """Slots of the raw window ring: the sliding window and the rewind room, the same for
+    every context."""
     return cfg.sliding_window + REWIND
 
 
@@ -93,7 +92,7 @@ def init_state(cfg: Config, max_len: int, dtype: jnp.dtype = jnp.float32) -> Dec
     """An empty state able to hold `max_len` tokens."""
     layers = []
     for i in range(cfg.num_layers):
-        raw = jnp.zeros((window(cfg, max_len), cfg.head_dim), dtype)
+        raw = jnp.zeros((window(cfg), cfg.head_dim), dtype)
         kind = cfg.layer_kind(i)
         if kind == "sliding":
             layers.append(LayerState(raw))
@@ -203,7 +202,7 @@ def state_bytes(cfg: Config, length: int, bytes_per_value: int = 4) -> int:
     n = length
     total = cfg.vocab_size * 4
     for i in range(cfg.num_layers):
-        total += min(n, window(cfg, n)) * cfg.head_dim * bytes_per_value
+        total += min(n, window(cfg)) * cfg.head_dim * bytes_per_value
         kind = cfg.layer_kind(i)
         if kind == "sliding":
             continue

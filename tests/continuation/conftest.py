@@ -10,7 +10,7 @@ import pytest
 from ds4jax.chat.anthropic import parse_messages_request
 from ds4jax.chat.segments import template
 from ds4jax.chat.tokenizer import V4Tokenizer
-from ds4jax.config import load_config
+from ds4jax.config import Config, load_config
 from ds4jax.engine import Engine, Prepared
 from ds4jax.model.params import init_params
 
@@ -31,10 +31,12 @@ def _engine() -> Engine:
     return Engine(cfg, init_params(cfg, 0), V4Tokenizer(), max_len=2048, chunk_sizes=(16, 64))
 
 
-def like(e: Engine, **kw: Any) -> Engine:
+def like(e: Engine, cfg: Config | None = None, **kw: Any) -> Engine:
     """Another engine on `e`'s model, context and chunk sizes (so it compiles what `e` did),
-    with the pool options `kw` (sessions, fork points, batch, pages, spans…)."""
-    return Engine(e.cfg, e.params, e.tokenizer, max_len=e.max_len, chunk_sizes=e.chunk_sizes, **kw)
+    with the pool options `kw` (sessions, fork points, batch, pages, spans…) and, with
+    `cfg`, another config of the same weights (a state dtype, say)."""
+    return Engine(cfg or e.cfg, e.params, e.tokenizer, max_len=e.max_len,
+                  chunk_sizes=e.chunk_sizes, **kw)  # fmt: skip
 
 
 @pytest.fixture

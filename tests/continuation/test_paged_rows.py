@@ -5,7 +5,6 @@ give the dense engine's replies; each leaves as a frontier sharing its prompt's 
 
 from __future__ import annotations
 
-import functools
 import gc
 
 import numpy as np
@@ -112,11 +111,11 @@ def test_under_page_pressure_with_host_ram_and_disk_every_turn_is_the_calm_one(
 
 @pytest.fixture(scope="module")
 def fp8_engines(_engine: Engine) -> tuple[Engine, Engine]:
-    e, kw = _engine, dict(sessions=6, fork_points=True, max_batch=4)
-    cfg = e.cfg.replace(state_dtype="fp8")
-    make = functools.partial(Engine, cfg, e.params, e.tokenizer, max_len=e.max_len,
-                             chunk_sizes=e.chunk_sizes, **kw)  # fmt: skip
-    return make(), make(paged_pages=256)
+    cfg, kw = (
+        _engine.cfg.replace(state_dtype="fp8"),
+        dict(sessions=6, fork_points=True, max_batch=4),
+    )
+    return like(_engine, cfg, **kw), like(_engine, cfg, paged_pages=256, **kw)
 
 
 @settings(max_examples=1, **PRESSURE)
