@@ -109,10 +109,10 @@ def test_under_page_pressure_with_host_ram_and_disk_every_turn_is_the_calm_one(
     _under_pressure(*engines, tmp_path_factory.mktemp("kv"), plan, 1e-5)
 
 
-@pytest.fixture(scope="module")
-def fp8_engines(_engine: Engine) -> tuple[Engine, Engine]:
+@pytest.fixture(scope="module", params=["bf16", "fp8"])
+def rounded_engines(_engine: Engine, request) -> tuple[Engine, Engine]:
     cfg, kw = (
-        _engine.cfg.replace(state_dtype="fp8"),
+        _engine.cfg.replace(state_dtype=request.param),
         dict(sessions=6, fork_points=True, max_batch=4),
     )
     return like(_engine, cfg, **kw), like(_engine, cfg, paged_pages=256, **kw)
@@ -120,10 +120,11 @@ def fp8_engines(_engine: Engine) -> tuple[Engine, Engine]:
 
 @settings(max_examples=1, **PRESSURE)
 @given(plan=interleavings())
-def test_under_page_pressure_fp8_states_give_the_calm_ones_turns(
-    fp8_engines, tmp_path_factory, plan
+def test_under_page_pressure_rounded_states_give_the_calm_ones_turns(
+    rounded_engines, tmp_path_factory, plan
 ) -> None:
-    """The same in fp8 states (the release's records in the pages, on the host and on
-    disk): every turn is the calm fp8 engine's; a frontier matches a cold prefill as
-    fp8 chunkings agree (1e-2: a 1-ulp matmul difference can tip an FP8 rounding)."""
-    _under_pressure(*fp8_engines, tmp_path_factory.mktemp("kv8"), plan, 1e-2)
+    """The same in bf16 and fp8 states (fp8: the release's records in the pages, on the
+    host and on disk): every turn is the calm engine's of that dtype; a frontier matches a
+    cold prefill as such chunkings agree (1e-2: a 1-ulp matmul difference can tip a
+    rounding to the state dtype)."""
+    _under_pressure(*rounded_engines, tmp_path_factory.mktemp("kv"), plan, 1e-2)
