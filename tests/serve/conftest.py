@@ -390,7 +390,10 @@ class ServeGroup:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start `ds4jax serve` as soon as a selected test needs it: its ~30 s warm-up then
-    overlaps the in-process tests instead of adding to them."""
+    overlaps the in-process tests instead of adding to them. Not under pytest-xdist: every
+    worker collects every test, and each would start servers for tests another runs."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     wanted = {f for item in session.items for f in getattr(item, "fixturenames", ())}
     if "served" in wanted:
         _early["served"] = ServeProcess("--api-key", SERVE_KEY)
