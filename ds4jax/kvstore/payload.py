@@ -3,7 +3,7 @@
 Only live rows are kept: after `n` tokens the raw ring holds `min(n, W)` rows, the
 compressed and indexer rows `n // r` rows; the small compressor frontiers and the next-token
 logits are kept whole. Rows are stored in the state dtype (`Config.state_dtype`): as
-float32, or as the bytes of their bf16 / fp8 records (`model.pages.rows_to_bytes`) — the
+float32, or as the bytes of their bf16 / fp8 records (`model.pages.records`) — the
 rows a state of that dtype holds are values of it, so they come back bit for bit, at a
 quarter of the bytes in fp8. The state is canonical (model/state.py: rows past the live ones are
 the initial values, zero for every row field), so `unpack` rebuilds the full-capacity state
@@ -22,13 +22,14 @@ import os
 import zlib
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.config import Config
-from ds4jax.model.pages import rows_from_bytes, rows_to_bytes
+from ds4jax.model.pages import from_records, record_size, record_spec, records
 from ds4jax.model.state import DecodeState, LayerState, init_state, window
 
 #: per-layer fields whose leading axis is token rows, and how many rows are live after n
@@ -42,14 +43,34 @@ def live_rows(cfg: Config, layer: int, field: str, n: int, win: int) -> int:
     return n // cfg.compress_ratios[layer]
 
 
-def host_rows(x: jax.Array, k: int) -> np.ndarray:
-    """The first `k` rows of `x` on the host. The device slice is rounded up to a power of two
-    so that saves at ever-new lengths reuse a few compiled slices (at most 2× the live bytes
-    cross to the host), then cut to `k` on the host."""
-    if k >= x.shape[0]:
-        return np.asarray(x)
-    bucket = min(x.shape[0], 1 << max(0, k - 1).bit_length())
-    return np.asarray(x[:bucket])[:k]
+def _bucket(k: int, capacity: int) -> int:
+    """Rows moved for `k` live ones: a power of two (at most 2× the live bytes), so that
+    saves and loads at ever-new lengths reuse a few compiled programs."""
+    return min(capacity, 1 << max(0, k - 1).bit_length())
+
+
+@partial(jax.jit, static_argnames=("bucket", "rope", "dtype", "index"))
+def _head(x: jax.Array, *, bucket: int, rope: int, dtype: str, index: bool) -> jax.Array:
+    """The first `bucket` rows of `x`, as records in `dtype` (as they are, in f32)."""
+    return x[:bucket] if dtype == "f32" else records(x[:bucket], rope, dtype, index)
+
+
+def host_rows(x: jax.Array, k: int, rope: int = 0, dtype: str = "f32",
+              index: bool = False) -> np.ndarray:  # fmt: skip
+    """The first `k` rows of `x` on the host, as their records' bytes in `dtype`: encoded
+    on the device, a bucket of rows at a time (`_bucket`), then cut to `k` on the host."""
+    bucket = _bucket(k, x.shape[0])
+    return np.asarray(_head(x, bucket=bucket, rope=rope, dtype=dtype, index=index))[:k]
+
+
+@partial(jax.jit, static_argnames=("capacity", "width", "rope", "dtype", "index"))
+def _placed(head: jax.Array, k: jax.Array, *, capacity: int, width: int, rope: int,
+            dtype: str, index: bool) -> jax.Array:  # fmt: skip
+    """A row field of `capacity` rows holding the `k` live rows of `head` (a bucket of
+    rows, or of their records in `dtype`) and zeros after them (the initial value)."""
+    rows = head if dtype == "f32" else from_records(head, width, rope, dtype, index)
+    rows = jnp.where(jnp.arange(rows.shape[0])[:, None] < k, rows, 0.0)
+    return jax.lax.dynamic_update_slice_in_dim(jnp.zeros((capacity, width), rows.dtype), rows, 0, 0)
 
 
 def pack(state: DecodeState, n: int, cfg: Config) -> dict[str, np.ndarray]:
@@ -62,11 +83,10 @@ def pack(state: DecodeState, n: int, cfg: Config) -> dict[str, np.ndarray]:
             x = getattr(layer, field)
             if x is None:
                 continue
-            if field in ROW_FIELDS:
-                rows = host_rows(x, max(1, live_rows(cfg, i, field, n, win)))
-                if cfg.state_dtype != "f32":  # its records: the bytes the state's rows are
-                    rows = rows_to_bytes(rows, cfg.rope_dim, cfg.state_dtype, field == "idx")
-                out[f"l{i}_{field}"] = rows
+            if field in ROW_FIELDS:  # in the state dtype: the bytes its rows are
+                k = max(1, live_rows(cfg, i, field, n, win))
+                out[f"l{i}_{field}"] = host_rows(x, k, cfg.rope_dim, cfg.state_dtype,
+                                                 field == "idx")  # fmt: skip
             else:
                 out[f"l{i}_{field}"] = np.asarray(x)
     return out
@@ -128,26 +148,29 @@ def unpack(arrays: Mapping[str, np.ndarray], n: int, cfg: Config, max_len: int) 
 
     def fill(name: str, like: jax.ShapeDtypeStruct, rows: int | None) -> jax.Array:
         a = arrays[name]
-        if rows is not None and cfg.state_dtype != "f32":  # records back to the rows
-            if a.dtype != np.uint8 or a.ndim != 2:
+        records = rows is not None and cfg.state_dtype != "f32"
+        if records:
+            spec = record_spec(like.shape[-1], cfg.rope_dim, cfg.state_dtype,
+                               name.endswith("_idx"))  # fmt: skip
+            if a.dtype != np.uint8 or a.ndim != 2 or a.shape[-1] != record_size(spec):
                 raise ValueError(f"{name}: {a.dtype} {a.shape}, not {cfg.state_dtype} records")
-            a = rows_from_bytes(a, like.shape[-1], cfg.rope_dim, cfg.state_dtype,
-                                name.endswith("_idx"))  # fmt: skip
-        if a.dtype != like.dtype:
+        elif a.dtype != like.dtype:
             raise ValueError(f"{name}: dtype {a.dtype}, the state has {like.dtype}")
         if rows is None:
             if a.shape != like.shape:
                 raise ValueError(f"{name}: shape {a.shape}, the state has {like.shape}")
             return jnp.asarray(a)
-        if a.shape[1:] != like.shape[1:] or a.shape[0] != max(1, rows):
+        width = like.shape[-1]
+        if (not records and a.shape[1:] != (width,)) or a.shape[0] != max(1, rows):
             raise ValueError(f"{name}: shape {a.shape}, expected {max(1, rows)} live rows")
         if a.shape[0] > like.shape[0]:
             raise ValueError(f"{name}: {a.shape[0]} rows exceed the capacity {like.shape[0]}")
-        if a.shape == like.shape:
-            return jnp.asarray(a)
-        full = np.zeros(like.shape, like.dtype)  # the initial value of every row field
-        full[: a.shape[0]] = a
-        return jnp.asarray(full)
+        bucket = _bucket(a.shape[0], like.shape[0])
+        head = np.zeros((bucket, *a.shape[1:]), a.dtype)  # padded: one program a bucket
+        head[: a.shape[0]] = a
+        return _placed(head, np.int32(rows), capacity=like.shape[0], width=width,
+                       rope=cfg.rope_dim, dtype=cfg.state_dtype if records else "f32",
+                       index=name.endswith("_idx"))  # fmt: skip
 
     win = window(cfg)
     layers = []

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+from functools import partial
 from typing import Any
 
 import jax
@@ -98,27 +99,49 @@ def decode_index_rows(stored: dict[str, jax.Array]) -> jax.Array:
 def rows_to_bytes(rows: Any, rope: int, dtype: str, index: bool = False) -> np.ndarray:
     """Rows `[n, width]` as their records' bytes `[n, record bytes]` (uint8): the layout a
     disk checkpoint stores them in, in the state dtype (`kvstore.payload`)."""
-    enc = encode_index_rows(rows, dtype) if index else encode_rows(rows, rope, dtype)
-    return np.concatenate([_as_bytes(np.asarray(enc[k])) for k in sorted(enc)], axis=-1)
+    return np.asarray(records(jnp.asarray(rows, jnp.float32), rope, dtype, index))
 
 
 def rows_from_bytes(data: np.ndarray, width: int, rope: int, dtype: str,
                     index: bool = False) -> np.ndarray:  # fmt: skip
     """The float32 rows `rows_to_bytes` stored (`width` values each)."""
+    return np.asarray(from_records(jnp.asarray(data), width, rope, dtype, index))
+
+
+@partial(jax.jit, static_argnames=("rope", "dtype", "index"))
+def records(rows: jax.Array, rope: int, dtype: str, index: bool = False) -> jax.Array:
+    """`rows_to_bytes` as one compiled program (a checkpoint encodes every layer's rows:
+    op by op on the host it cost more than the write): each part of the record, in name
+    order, as its little-endian bytes."""
+    enc = encode_index_rows(rows, dtype) if index else encode_rows(rows, rope, dtype)
+    n = rows.shape[0]
+    return jnp.concatenate(
+        [jax.lax.bitcast_convert_type(enc[k], jnp.uint8).reshape(n, -1) for k in sorted(enc)],
+        axis=-1,
+    )
+
+
+@partial(jax.jit, static_argnames=("width", "rope", "dtype", "index"))
+def from_records(data: jax.Array, width: int, rope: int, dtype: str,
+                 index: bool = False) -> jax.Array:  # fmt: skip
+    """The float32 rows of `records`' bytes `[n, record bytes]`."""
     parts, off = {}, 0
-    for k, like in _record_spec(width, rope, dtype, index):
+    n = data.shape[0]
+    spec = record_spec(width, rope, dtype, index)
+    if (size := record_size(spec)) != data.shape[-1]:
+        raise ValueError(f"{data.shape[-1]} bytes a row, the {dtype} record has {size}")
+    for k, like in spec:
         size = int(np.prod(like.shape[1:], dtype=np.int64)) * like.dtype.itemsize
-        raw = np.ascontiguousarray(data[:, off : off + size])
-        parts[k] = raw.view(like.dtype).reshape(data.shape[0], *like.shape[1:])
+        raw = data[:, off : off + size].reshape(n, -1, like.dtype.itemsize)
+        if like.dtype.itemsize == 1:
+            raw = raw[..., 0]
+        parts[k] = jax.lax.bitcast_convert_type(raw, like.dtype).reshape(n, *like.shape[1:])
         off += size
-    if off != data.shape[-1]:
-        raise ValueError(f"{data.shape[-1]} bytes a row, the {dtype} record has {off}")
-    decode = decode_index_rows if index else decode_rows
-    return np.asarray(decode({k: jnp.asarray(v) for k, v in parts.items()}))
+    return (decode_index_rows if index else decode_rows)(parts)
 
 
 @functools.lru_cache(maxsize=64)
-def _record_spec(width: int, rope: int, dtype: str, index: bool) -> tuple[tuple[str, Any], ...]:
+def record_spec(width: int, rope: int, dtype: str, index: bool) -> tuple[tuple[str, Any], ...]:
     """A record's parts (name, shape and dtype of one row's), in storage order: traced once
     per layout, not once per layer of every load."""
 
@@ -129,9 +152,10 @@ def _record_spec(width: int, rope: int, dtype: str, index: bool) -> tuple[tuple[
     return tuple(sorted(jax.eval_shape(spec).items()))
 
 
-def _as_bytes(part: np.ndarray) -> np.ndarray:
-    flat = np.ascontiguousarray(part.reshape(part.shape[0], -1))
-    return flat.view(np.uint8).reshape(part.shape[0], -1)
+def record_size(spec: tuple[tuple[str, Any], ...]) -> int:
+    """Bytes of one record of `record_spec`'s layout."""
+    return sum(int(np.prod(like.shape[1:], dtype=np.int64)) * like.dtype.itemsize
+               for _k, like in spec)  # fmt: skip
 
 
 def _check(dtype: str) -> None:

@@ -62,6 +62,33 @@ def test_rows_are_stored_as_their_records(cfg) -> None:
     assert arrays["l2_comp"].dtype == np.uint8  # records, not floats
 
 
+def test_a_stored_row_reads_by_hand_as_the_release_lays_it_out() -> None:
+    """The bytes `records` makes on the device, read with numpy alone: 448 E4M3 codes, the
+    64 RoPE dims as little-endian BF16, 7 UE8M0 scale bytes and one pad byte (Flash's
+    584-byte row); an indexer row's 128 E4M3 codes and its float32 scale (132 bytes)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(3)
+    rows = (rng.standard_normal((5, 512)) * rng.uniform(0.01, 40, (5, 1))).astype(np.float32)
+    rows = rows_from_bytes(rows_to_bytes(rows, 64, "fp8"), 512, 64, "fp8")  # values of fp8
+    data = rows_to_bytes(rows, 64, "fp8")
+    assert data.shape == (5, 584) and data.dtype == np.uint8
+    codes = data[:, :448].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    rope = data[:, 448:576].copy().view("<u2").astype(np.uint32) << 16
+    scales = np.exp2(data[:, 576:583].astype(np.float32) - 127)
+    nope = (codes.reshape(5, 7, 64) * scales[..., None]).reshape(5, 448)
+    assert np.array_equal(nope, rows[:, :448]) and not data[:, 583].any()
+    assert np.array_equal(rope.view(np.float32), rows[:, 448:])
+
+    keys = rng.standard_normal((5, 128)).astype(np.float32)
+    keys = rows_from_bytes(rows_to_bytes(keys, 0, "fp8", True), 128, 0, "fp8", True)
+    data = rows_to_bytes(keys, 0, "fp8", True)
+    assert data.shape == (5, 132)
+    codes = data[:, :128].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    scale = data[:, 128:].copy().view("<f4")
+    assert np.array_equal(codes * scale, keys)
+
+
 def test_a_checkpoint_of_the_previous_format_is_ignored_with_a_log_line(
     tmp_path, cfg, caplog
 ) -> None:
