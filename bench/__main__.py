@@ -14,6 +14,7 @@
     python -m bench paged           # retained-state bytes, frontiers dense vs in pages
     python -m bench context         # the same conversation at --ctx 8k and 1M: speed, bytes
     python -m bench memory          # process memory: 8 agents at --ctx 1M, retries of a long prompt
+    python -m bench ops             # XLA ops per decode step and its cost at B = 1, 2, 4, 8
     python -m bench layers          # where ds4jax's time goes inside one chunk
     python -m bench --quick         # small sizes: a smoke run
 
@@ -33,7 +34,8 @@ import time
 from typing import Any
 
 PARTS = ("prompt", "model", "continuation", "disk", "kernels", "sessions", "batching",
-         "responses", "llamacpp", "metrics", "paged", "context", "memory", "layers")  # fmt: skip
+         "responses", "llamacpp", "metrics", "paged", "context", "memory", "ops",
+         "layers")  # fmt: skip
 
 #: `make bench` must end within 20 minutes on 2 cores: the model part caps itself
 #: (`--budget-min`) and the layer breakdown starts no case after this.

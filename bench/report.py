@@ -287,6 +287,8 @@ TABLES: dict[str, list[tuple[str, Callable[[Row], list[Row]]]]] = {
                                         if k != "prompt_tokens"}]),
                ("retries", lambda rep: [{k: v for k, v in rep["retries"].items()
                                          if k != "sources"}])],
+    "ops": [("steps", lambda rep: [{k: v for k, v in r.items()
+                                    if k not in ("by_kind", "step_ms_all")} for r in rep["rows"]])],
 }  # fmt: skip
 
 

@@ -272,6 +272,13 @@ def context(rep: Row) -> list[Row]:
     ]  # fmt: skip
 
 
+def ops(rep: Row) -> list[Row]:
+    rows = {r["batch"]: r for r in rep["rows"]}
+    at = f"{rep['model']}, greedy, after a {rep['prompt_tokens']}-token prompt"
+    return [ratio("ops", f"aggregate decode tok/s at B={b} / B=1", at, rows[b]["tok_s"],
+                  rows[1]["tok_s"], "tok/s") for b in (4, 8) if b in rows]  # fmt: skip
+
+
 def memory(rep: Row) -> list[Row]:
     a, r = rep["agents"], rep["retries"]
     at = f"{rep['model']}, ctx {a['context']}, 8 agents x {a['prompt_tokens'][0]} tokens"
@@ -296,6 +303,7 @@ PARTS = {
     "metrics": metrics,
     "paged": paged,
     "context": context,
+    "ops": ops,
     "memory": memory,
 }
 
