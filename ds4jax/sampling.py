@@ -7,6 +7,17 @@ import jax
 import jax.numpy as jnp
 
 
+def argmax(logits: jax.Array) -> jax.Array:
+    """`jnp.argmax(logits, axis=-1)` as int32, exactly (the first maximum; the first NaN if
+    any), as two plain reductions: XLA:CPU runs `argmax`'s (value, index) reduction as a
+    scalar loop — 4–6 ms for 4 rows of a 129,280-token vocabulary against 0.3 ms this way,
+    on every decode step (issue 27)."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    hit = (logits == top) | jnp.isnan(logits)
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.min(jnp.where(hit, index, logits.shape[-1]), axis=-1)
+
+
 def sample(
     logits: jax.Array,
     key: jax.Array,
@@ -20,7 +31,7 @@ def sample(
     temperature-scaled distribution; at least the most likely token always survives."""
     logits = logits.astype(jnp.float32)
     if temperature <= 0:
-        return jnp.argmax(logits).astype(jnp.int32)
+        return argmax(logits)
     z = logits / temperature
     if top_k and top_k < z.shape[-1]:
         kth = jax.lax.top_k(z, top_k)[0][-1]
@@ -137,7 +148,7 @@ def sample_rows(
     only top-k or top-p rank candidates (`keep_rows`)."""
     logits = logits.astype(jnp.float32)
     greedy = temperature <= 0
-    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    best = argmax(logits)
 
     def drawn() -> jax.Array:
         z = logits / jnp.where(greedy, 1.0, temperature)[:, None]

@@ -7,8 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ds4jax.sampling import NUCLEUS_CANDIDATES, nucleus, sample
+from ds4jax.sampling import NUCLEUS_CANDIDATES, argmax, nucleus, sample
 
 V = 129280
 
@@ -61,3 +63,29 @@ def test_sample_respects_top_k_top_p_and_min_p() -> None:
     p = np.exp(np.asarray(z) - 8.0)
     allowed = set(np.flatnonzero(p >= 0.2))
     assert {int(sample(z, k, temperature=1.0, min_p=0.2)) for k in keys} <= allowed
+
+
+_argmax = jax.jit(argmax)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from([0.0, -1.5, 2.0, 2.0, 7.25, -np.inf, np.inf, np.nan, -0.0, 1e-30]),
+        min_size=1,
+        max_size=40,
+    ),
+    st.integers(1, 3),
+)
+def test_argmax_is_numpys_first_maximum_with_ties_nans_and_infinities(values, rows) -> None:
+    """The two-reduction argmax the decode step samples greedily with picks what
+    `np.argmax` picks: the first maximum, the first NaN when there is one."""
+    x = np.array([values[i:] + values[:i] for i in range(rows)], np.float32)
+    assert np.array_equal(np.asarray(_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
+
+
+def test_argmax_on_a_vocabulary_row_and_a_batch() -> None:
+    z = np.random.default_rng(5).standard_normal((4, V)).astype(np.float32)
+    z[2, [17, 90000]] = 9.0  # a tie: the first wins
+    assert np.array_equal(np.asarray(_argmax(jnp.asarray(z))), np.argmax(z, axis=-1))
+    assert int(_argmax(jnp.asarray(z[2]))) == 17
