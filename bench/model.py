@@ -153,12 +153,11 @@ class Ds4jax:
         import jax
         import numpy as np
 
+        from bench.ops import step_args
         from ds4jax.model import batch as batch_ops
 
         batch = jax.tree.map(lambda x: jax.numpy.array(x)[None], state)
-        args = (np.full(1, -1, np.int32), np.zeros((1, 2), np.uint32), np.zeros(1, np.float32),
-                np.zeros(1, np.int32), np.ones(1, np.float32), np.zeros(1, np.float32),
-                np.int32(-1))  # fmt: skip
+        args = step_args(1)
         t0 = time.perf_counter()
         for _ in range(steps):
             batch, tok, _ = batch_ops.step(self.params, batch, *args, cfg=self.cfg, size=1)

@@ -20,25 +20,25 @@ step runs lie between the two. Fused computations are not walked: a fusion is on
 
     python -m bench ops [--quick]
 
-Results are printed and written to `bench/results/ops-<date>-<HHMM>[-quick].json`.
+Results are printed and written to `bench/results/ops-<date>-<HHMM>[-quick].json`
+(`bench.report.write_json`).
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import re
 import statistics
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from bench.report import write_json
+
 SIZES = (1, 2, 4, 8)
 #: instructions that run no kernel
 FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
@@ -121,8 +121,9 @@ def count_ops(hlo: str) -> OpCount:
     return out
 
 
-def _args(size: int) -> tuple:
-    """The per-row arguments of a greedy step (as `bench.model` passes them)."""
+def step_args(size: int) -> tuple:
+    """The per-row arguments of `model.batch.step` for `size` greedy rows: no forced token,
+    temperature 0, no filters."""
     return (np.full(size, -1, np.int32), np.zeros((size, 2), np.uint32),
             np.zeros(size, np.float32), np.zeros(size, np.int32), np.ones(size, np.float32),
             np.zeros(size, np.float32), np.int32(-1))  # fmt: skip
@@ -135,7 +136,7 @@ def decode_step_ops(cfg: Any, params: Any, state: Any, size: int) -> OpCount:
     from ds4jax.model import batch as batch_ops
 
     rows = jax.tree.map(lambda x: jax.ShapeDtypeStruct((size, *x.shape), x.dtype), state)
-    lowered = batch_ops.step.lower(params, rows, *_args(size), cfg=cfg, size=size)
+    lowered = batch_ops.step.lower(params, rows, *step_args(size), cfg=cfg, size=size)
     return count_ops(lowered.compile().as_text())
 
 
@@ -149,18 +150,18 @@ def step_ms(cfg: Any, params: Any, state: Any, sizes: tuple[int, ...],
 
     from ds4jax.model import batch as batch_ops
 
-    batches = {}
+    batches, args = {}, {size: step_args(size) for size in sizes}
     for size in sizes:
         b = jax.tree.map(lambda x, n=size: jnp.array(jnp.broadcast_to(x, (n, *x.shape))), state)
         for _ in range(3):  # compile, warm
-            b, tok, _k = batch_ops.step(params, b, *_args(size), cfg=cfg, size=size)
+            b, tok, _k = batch_ops.step(params, b, *args[size], cfg=cfg, size=size)
             np.asarray(tok)
         batches[size] = b
     out: dict[int, list[float]] = {size: [] for size in sizes}
     for _ in range(steps):
         for size in sizes:
             t0 = time.perf_counter()
-            batches[size], tok, _k = batch_ops.step(params, batches[size], *_args(size),
+            batches[size], tok, _k = batch_ops.step(params, batches[size], *args[size],
                                                     cfg=cfg, size=size)  # fmt: skip
             np.asarray(tok)
             out[size].append((time.perf_counter() - t0) * 1e3)
@@ -211,11 +212,7 @@ def main(quick: bool = False) -> dict[str, Any]:
         ops = f"{r['ops']}-{r['ops_most']}"
         print(f"{r['batch']:>5} {ops:>12} {r['step_ms']:>8.1f} {r['tok_s']:>7.1f} "
               f"{r['aggregate_vs_b1']:>6.2f}x  {kinds}")  # fmt: skip
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    stamp = rep["date"][:16].replace("T", "-").replace(":", "")
-    path = RESULTS_DIR / f"ops-{stamp}{'-quick' if quick else ''}.json"
-    path.write_text(json.dumps(rep, indent=1) + "\n", encoding="utf-8")
-    print(f"wrote {path} ({rep['seconds']} s)")
+    write_json("ops", rep, quick)
     return rep
 
 

@@ -96,24 +96,24 @@ def run_layers(
     return X, layers
 
 
-def logits_of(params: Params, cfg: Config, X: jax.Array) -> jax.Array:
-    """The head: hyper-connection streams [T, hc, D] → logits [T, vocab]."""
-    h = rmsw(hc_head(cfg, X, params), params["norm"], cfg.rms_eps)
-    if jax.default_backend() == "cpu" and 2 <= h.shape[0] <= HEAD_REDUCE_ROWS:
-        # one multiply-and-reduce over the weight, read once in place: XLA:CPU runs this
-        # [2..8, D] × [D, vocab] product as a GEMM that packs the whole head weight (265 MB
-        # for bench-192m) on every step (issue 27). Same products, summed in another order.
-        w = dequantize(params["head"], h.dtype)
-        return jnp.sum(w[:, None, :] * h[None, :, :], axis=-1).T
-    return linear(h, params["head"])
-
-
 #: the batched decode steps' row counts (`model.batch.BATCH_SIZES` past 1) whose head is a
 #: multiply-and-reduce on CPU: measured side by side (both programs in one process, steps
 #: alternated, two runs), a bench-192m step at B=4 took 21.7 / 28.6 ms against 26.1 / 33.5
 #: with the GEMM, B=8 44.3 / 38.1 against 51.5 / 43.8; one row's GEMV already reads the
 #: weight once, and longer chunks are compute-bound GEMMs
 HEAD_REDUCE_ROWS = 8
+
+
+def logits_of(params: Params, cfg: Config, X: jax.Array) -> jax.Array:
+    """The head: hyper-connection streams [T, hc, D] → logits [T, vocab]."""
+    h = rmsw(hc_head(cfg, X, params), params["norm"], cfg.rms_eps)
+    if jax.default_backend() == "cpu" and 2 <= h.shape[0] <= HEAD_REDUCE_ROWS:
+        # one multiply-and-reduce over the weight, read once in place: XLA:CPU runs this
+        # product as a GEMM that packs the whole head weight on every step (issue 27). Same
+        # products, summed in another order.
+        w = dequantize(params["head"], h.dtype)
+        return jnp.sum(w[:, None, :] * h[None, :, :], axis=-1).T
+    return linear(h, params["head"])
 
 
 def plan_chunks(n: int, sizes: Sequence[int] = CHUNK_SIZES) -> list[tuple[int, int]]:

@@ -131,7 +131,7 @@ def from_records(data: jax.Array, width: int, rope: int, dtype: str,
     if (size := record_size(spec)) != data.shape[-1]:
         raise ValueError(f"{data.shape[-1]} bytes a row, the {dtype} record has {size}")
     for k, like in spec:
-        size = int(np.prod(like.shape[1:], dtype=np.int64)) * like.dtype.itemsize
+        size = _part_bytes(like)
         raw = data[:, off : off + size].reshape(n, -1, like.dtype.itemsize)
         if like.dtype.itemsize == 1:
             raw = raw[..., 0]
@@ -154,8 +154,12 @@ def record_spec(width: int, rope: int, dtype: str, index: bool) -> tuple[tuple[s
 
 def record_size(spec: tuple[tuple[str, Any], ...]) -> int:
     """Bytes of one record of `record_spec`'s layout."""
-    return sum(int(np.prod(like.shape[1:], dtype=np.int64)) * like.dtype.itemsize
-               for _k, like in spec)  # fmt: skip
+    return sum(_part_bytes(like) for _k, like in spec)
+
+
+def _part_bytes(like: Any) -> int:
+    """Bytes of one row's part (`like`: the part of a one-row record)."""
+    return int(np.prod(like.shape[1:], dtype=np.int64)) * like.dtype.itemsize
 
 
 def _check(dtype: str) -> None:
