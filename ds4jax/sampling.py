@@ -10,8 +10,8 @@ import jax.numpy as jnp
 def argmax(logits: jax.Array) -> jax.Array:
     """`jnp.argmax(logits, axis=-1)` as int32, exactly (the first maximum; the first NaN if
     any), as two plain reductions: XLA:CPU runs `argmax`'s (value, index) reduction as a
-    scalar loop — 4–6 ms for 4 rows of a 129,280-token vocabulary against 0.3 ms this way,
-    on every decode step (issue 27)."""
+    scalar loop — 1.29 ms for 4 rows of a 129,280-token vocabulary against 0.30 ms this
+    way, on every decode step (issue 27)."""
     top = jnp.max(logits, axis=-1, keepdims=True)
     hit = (logits == top) | jnp.isnan(logits)
     index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)

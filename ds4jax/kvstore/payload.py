@@ -148,8 +148,8 @@ def unpack(arrays: Mapping[str, np.ndarray], n: int, cfg: Config, max_len: int) 
 
     def fill(name: str, like: jax.ShapeDtypeStruct, rows: int | None) -> jax.Array:
         a = arrays[name]
-        records = rows is not None and cfg.state_dtype != "f32"
-        if records:
+        as_records = rows is not None and cfg.state_dtype != "f32"
+        if as_records:
             spec = record_spec(like.shape[-1], cfg.rope_dim, cfg.state_dtype,
                                name.endswith("_idx"))  # fmt: skip
             if a.dtype != np.uint8 or a.ndim != 2 or a.shape[-1] != record_size(spec):
@@ -161,7 +161,7 @@ def unpack(arrays: Mapping[str, np.ndarray], n: int, cfg: Config, max_len: int) 
                 raise ValueError(f"{name}: shape {a.shape}, the state has {like.shape}")
             return jnp.asarray(a)
         width = like.shape[-1]
-        if (not records and a.shape[1:] != (width,)) or a.shape[0] != max(1, rows):
+        if (not as_records and a.shape[1:] != (width,)) or a.shape[0] != max(1, rows):
             raise ValueError(f"{name}: shape {a.shape}, expected {max(1, rows)} live rows")
         if a.shape[0] > like.shape[0]:
             raise ValueError(f"{name}: {a.shape[0]} rows exceed the capacity {like.shape[0]}")
@@ -169,7 +169,7 @@ def unpack(arrays: Mapping[str, np.ndarray], n: int, cfg: Config, max_len: int) 
         head = np.zeros((bucket, *a.shape[1:]), a.dtype)  # padded: one program a bucket
         head[: a.shape[0]] = a
         return _placed(head, np.int32(rows), capacity=like.shape[0], width=width,
-                       rope=cfg.rope_dim, dtype=cfg.state_dtype if records else "f32",
+                       rope=cfg.rope_dim, dtype=cfg.state_dtype if as_records else "f32",
                        index=name.endswith("_idx"))  # fmt: skip
 
     win = window(cfg)
