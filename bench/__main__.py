@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 PARTS = ("prompt", "model", "continuation", "disk", "kernels", "sessions", "batching",
-         "responses", "llamacpp", "metrics", "paged", "context", "memory", "ops",
+         "responses", "llamacpp", "metrics", "paged", "context", "memory", "ops", "stall",
          "layers")  # fmt: skip
 
 #: `make bench` must end within 20 minutes on 2 cores: the model part caps itself

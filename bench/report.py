@@ -263,6 +263,14 @@ def metrics_decode_rows(rep: Row) -> list[Row]:
     ]
 
 
+def stall_row(run: Row) -> Row:
+    """One run of `bench.stall`: the streams' gaps alone and during the prompt's prefill."""
+    out = {"stall_bound": run["stall_bound"], "prompt_tokens": run["prompt_tokens"]}
+    for side in ("alone", "during_prefill"):
+        out |= {f"{side}_{k}": v for k, v in run[side].items() if k != "all_ms"}
+    return out | {k: run[k] for k in ("prefill_tok_s", "prefill_seconds_all")}
+
+
 def metrics_scrape_rows(rep: Row) -> list[Row]:
     return [dict(rep["scrape"])]
 
@@ -289,6 +297,7 @@ TABLES: dict[str, list[tuple[str, Callable[[Row], list[Row]]]]] = {
                                          if k != "sources"}])],
     "ops": [("steps", lambda rep: [{k: v for k, v in r.items()
                                     if k not in ("by_kind", "step_ms_all")} for r in rep["rows"]])],
+    "stall": [("gaps", lambda rep: [stall_row(r) for r in rep["runs"]])],
 }  # fmt: skip
 
 

@@ -279,6 +279,23 @@ def ops(rep: Row) -> list[Row]:
                   rows[1]["tok_s"], "tok/s") for b in (4, 8) if b in rows]  # fmt: skip
 
 
+def stall(rep: Row) -> list[Row]:
+    """Each run's p99 gap while the prompt prefills against the p50 alone (the bar: 2),
+    and the prompt's prefill rate bounded against whole chunks."""
+    runs = {r["stall_bound"]: r for r in rep["runs"]}
+    at = (f"{rep['model']}, {rep['streams']} streams, a "
+          f"{rep['runs'][0]['prompt_tokens']}-token prompt")  # fmt: skip
+    rows = [ratio("stall", f"stream p99 gap during a prefill / p50 alone, stall bound {b}", at,
+                  r["during_prefill"]["p99_ms"], r["alone"]["p50_ms"], "ms")
+            for b, r in runs.items()]  # fmt: skip
+    if None in runs and len(runs) > 1:
+        bounded = next(r for b, r in runs.items() if b is not None)
+        rows.append(ratio("stall", "prompt prefill tok/s bounded / whole chunks", at,
+                          bounded["prefill_tok_s"], runs[None]["prefill_tok_s"],
+                          "tok/s"))  # fmt: skip
+    return rows
+
+
 def memory(rep: Row) -> list[Row]:
     a, r = rep["agents"], rep["retries"]
     at = f"{rep['model']}, ctx {a['context']}, 8 agents x {a['prompt_tokens'][0]} tokens"
@@ -305,6 +322,7 @@ PARTS = {
     "context": context,
     "ops": ops,
     "memory": memory,
+    "stall": stall,
 }
 
 

@@ -247,9 +247,10 @@ class Leader:
                 elif cancel is not None and cancel.is_set() and not own.is_set():
                     own.set()
                     cancels.append(tid)
-            self.channel.publish(("tick", self._handed, cancels))
+            limit = self.engine.chunk_limit()  # from this process's timings: handed over
+            self.channel.publish(("tick", self._handed, cancels, limit))
             self._handed = []
-            self.engine.tick()
+            self.engine.tick(limit)
 
     def abort(self, err: Exception) -> None:
         with self._lock:
@@ -307,7 +308,7 @@ def follow(engine: Engine, channel: Channel, poll_s: float = 1.0) -> int:
             for tid in op[2]:
                 tickets[tid].cancel.set()
             try:
-                engine.tick()
+                engine.tick(op[3])
             except Exception:  # the leader's step raised too: its abort comes next
                 log.exception("engine step failed")
             tickets = {t: k for t, k in tickets.items() if not k.finished.is_set()}

@@ -71,13 +71,14 @@ from ds4jax.continuation.types import (
     source_label,
 )
 from ds4jax.decoding import Result, RowDecoder, ToolCallStarted
+from ds4jax.interleave import TickCosts, chunk_limit
 from ds4jax.kvstore.background import BackgroundSaves
 from ds4jax.kvstore.host import HostState, to_host
 from ds4jax.kvstore.page_store import PageStore
 from ds4jax.kvstore.pages import OutOfPages, PageTable, pages_for
 from ds4jax.kvstore.store import KVStore, NoStore
 from ds4jax.model import batch as batch_ops
-from ds4jax.model.forward import CHUNK_SIZES, prefill
+from ds4jax.model.forward import CHUNK_SIZES, plan_chunks, prefill
 from ds4jax.model.page_io import PagedFrontier, small_part
 from ds4jax.model.params import Params
 from ds4jax.model.sharding import DATA_AXIS, batch_sharding, replicated
@@ -229,6 +230,7 @@ class Engine:
         paged_pages: int | None = None,
         span_base: int = SPAN_BASE,
         host_budget_bytes: int | None = None,
+        stall_bound: float | None = None,
     ) -> None:
         """`sessions`, `fork_points`, `state_budget_bytes`: the session pool
         (`continuation.pool`); the budget bounds the retained states (None: unbounded).
@@ -241,7 +243,9 @@ class Engine:
         `span_base`: the capacity every state starts with; states, the decode batch included,
         grow and shrink through `model.state.spans` with the tokens they hold.
         `host_budget_bytes`: a host-RAM tier (`kvstore.host`) of that size takes the states
-        of the sessions the state budget evicts, before the disk."""
+        of the sessions the state budget evicts, before the disk. `stall_bound`: while rows
+        decode, a tick prefills a chunk that keeps their gap within that many decode steps
+        (`interleave.chunk_limit`; None: whole chunks)."""
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer
@@ -250,7 +254,12 @@ class Engine:
             store = BackgroundSaves(store)
         self.store = store or NoStore()
         self.tool_memory = tool_memory or ToolMemory()
-        self.chunk_sizes = tuple(chunk_sizes)
+        self.chunk_sizes = tuple(sorted(chunk_sizes))
+        self.stall_bound = stall_bound
+        #: measured step and chunk costs the prefill bound follows
+        self.tick_costs = TickCosts()
+        #: decode steps a prompt chunk rode in, and the prompt tokens they evaluated
+        self.mixed_steps = self.mixed_prompt_tokens = 0
         self.mesh = mesh
         self.spans = spans(cfg, max_len, span_base)
         self._empty = self._place(init_state(cfg, self.spans[0]))
@@ -470,18 +479,53 @@ class Engine:
         """Requests waiting, prefilling or decoding."""
         return bool(self.waiting or self._prefilling is not None or any(self._rows))
 
-    def tick(self) -> None:
-        """One scheduler step: admit the oldest waiting request if a row is free, run one
-        prefill chunk of the request being prefilled, then one decode step for every active
-        row. So a long prefill delays the others' tokens by one chunk per step, and requests
-        join and leave at step boundaries."""
+    def tick(self, limit: int | None = None) -> None:
+        """One scheduler step: admit the oldest waiting request if a row is free, evaluate
+        the next chunk of the prompt being prefilled, and step every active row. Requests
+        join and leave at step boundaries.
+
+        With `stall_bound`, while rows decode the chunk rides inside their step (a mixed
+        step, `model.batch.step`'s `chunk`) and is at most `limit` tokens — by default
+        `chunk_limit()`, from the costs measured here — so a long prompt does not stall the
+        decoding streams; a batch size whose plain step was not measured yet steps plain
+        first. Otherwise the chunk is a program of its own before the step, in whole chunks
+        (`limit`: the largest size). A group's followers are handed the leader's `limit`."""
         with self._lock:
             if self._prefilling is None:
                 self._admit()
-            if self._prefilling is not None:
-                self._prefill_chunk(self._prefilling)
-            if any(self._rows):
-                self._decode_step()
+            size = self._step_size()
+            if limit is None:
+                limit = self.chunk_limit()
+            ticket = self._prefilling
+            if ticket is not None and not (size and self.stall_bound):
+                self._prefill_chunk(ticket, limit)
+                ticket = None
+            elif ticket is not None and size not in self.tick_costs.step_s:
+                ticket = None  # this tick measures the plain step
+            if not any(self._rows):
+                return
+            t0 = time.perf_counter()
+            stepped, chunk = self._decode_step(ticket, limit)
+            took = time.perf_counter() - t0
+            if not stepped:
+                if ticket is not None:  # every row ended before stepping
+                    self._prefill_chunk(ticket, limit)
+            elif chunk:
+                self.tick_costs = self.tick_costs.chunked(
+                    chunk, took - self.tick_costs.step_s[stepped])  # fmt: skip
+                self.mixed_steps += 1
+            else:
+                self.tick_costs = self.tick_costs.stepped(stepped, took)
+
+    def chunk_limit(self) -> int:
+        """The most prompt tokens the next tick evaluates (`interleave.chunk_limit`)."""
+        return chunk_limit(self.chunk_sizes, self._step_size(), self.tick_costs,
+                           self.stall_bound)  # fmt: skip
+
+    def _step_size(self) -> int:
+        """The batch size the next decode step runs at (0: no row decodes)."""
+        active = [i for i, t in enumerate(self._rows) if t is not None]
+        return batch_ops.bucket(active[-1] + 1) if active else 0
 
     def _place(self, tree: Any) -> Any:
         """On the mesh, replicated (states are small next to the params); without one,
@@ -639,29 +683,44 @@ class Engine:
         ticket.before_think = self._before_think_cut(prepared, decision, tokens)
         ticket.t0 = time.perf_counter()
 
-    def _prefill_chunk(self, ticket: Ticket) -> None:
-        """Evaluate the next chunk of the prompt (stopping at the store's save points and
-        the fork point before `<think>`); at the prompt's end the request takes a row."""
-        tokens, done = ticket.tokens, ticket.done_tokens
-        stops = sorted({*ticket.cuts, ticket.before_think, len(tokens)} - {None})
-        end = next((c for c in stops if c > done), None)
-        if end is not None:
-            size = max(self.chunk_sizes)
-            end = min(end, done + size)
-            base = len(ticket.decision.base)
-            progress = ticket.progress
-            ticket.state, _ = prefill(
-                self.params, ticket.state, tokens[done:end], self.cfg,
-                chunk_sizes=self.chunk_sizes,
-                progress=(lambda d, _t, o=done: progress(o + d - base, ticket.suffix_n))
-                if progress else None,
-            )  # fmt: skip
-            ticket.done_tokens = done = end
+    def _next_chunk(self, ticket: Ticket, limit: int) -> tuple[int, int] | None:
+        """(end, padded size) of the prompt's next chunk: at most `limit` tokens, stopping at
+        the store's save points and the fork point before `<think>`; None when the prompt
+        is done."""
+        stops = sorted({*ticket.cuts, ticket.before_think, len(ticket.tokens)} - {None})
+        end = next((c for c in stops if c > ticket.done_tokens), None)
+        if end is None:
+            return None
+        end = min(end, ticket.done_tokens + limit)
+        ((size, _),) = plan_chunks(end - ticket.done_tokens,
+                                   [s for s in self.chunk_sizes if s <= limit])  # fmt: skip
+        return end, size
+
+    def _prefill_chunk(self, ticket: Ticket, limit: int) -> None:
+        """Evaluate the prompt's next chunk (`_next_chunk`) as a program of its own."""
+        nxt = self._next_chunk(ticket, limit)
+        if nxt is not None:
+            end, size = nxt
+            state, _ = prefill(self.params, ticket.state, ticket.tokens[ticket.done_tokens:end],
+                               self.cfg, chunk_sizes=(size,))  # fmt: skip
+            self._chunk_done(ticket, state, end)
+        else:
+            self._chunk_done(ticket, ticket.state, ticket.done_tokens)
+
+    def _chunk_done(self, ticket: Ticket, state: Any, end: int) -> None:
+        """The prompt's state after its tokens [.., end): saves at the store's points, the
+        fork point before `<think>`, progress; at the prompt's end the request takes a
+        row."""
+        tokens, advanced = ticket.tokens, end > ticket.done_tokens
+        ticket.state, ticket.done_tokens = state, end
+        if advanced:
             if end in ticket.cuts:
-                self._save(tuple(tokens[:end]), ticket.state, ticket.cuts[end])
+                self._save(tuple(tokens[:end]), state, ticket.cuts[end])
             if end == ticket.before_think:
-                ticket.before_think_state = ticket.state
-        if done < len(tokens):
+                ticket.before_think_state = state
+            if ticket.progress is not None:
+                ticket.progress(end - len(ticket.decision.base), ticket.suffix_n)
+        if end < len(tokens):
             return
         self._prefilling = None
         try:
@@ -730,9 +789,11 @@ class Engine:
         self._batch = batch_ops.insert(self._batch, np.int32(row), state)
         self._rows[row] = ticket
 
-    def _decode_step(self) -> None:
-        """One batched step for every active row; finished rows leave the batch."""
-        size = batch_ops.bucket(max(i for i, t in enumerate(self._rows) if t is not None) + 1)
+    def _decode_step(self, filling: Ticket | None = None, limit: int = 0) -> tuple[int, int]:
+        """One batched step for every active row; finished rows leave the batch. `filling`:
+        its prompt's next chunk (at most `limit` tokens) rides in the step. Returns (the
+        step's batch size, the chunk's padded size), 0 for what did not run."""
+        size = self._step_size()
         override = np.full(size, -1, np.int32)
         temperature = np.zeros(size, np.float32)
         top_k = np.zeros(size, np.int32)
@@ -756,7 +817,7 @@ class Engine:
             )
             stepping.append(row)
         if not stepping:
-            return
+            return 0, 0
         need = self._span(max(len(self._rows[r].decoder.tokens) for r in stepping) + 1)
         if need > self._batch_span:  # a row reached the end of the batch's span
             self._resize_batch(need)
@@ -765,10 +826,18 @@ class Engine:
             grid = self._grid(size, stepping)
             stepping = [r for r in stepping if self._rows[r] is not None]
             if not stepping:
-                return
-        self._batch, tokens, keys = self._step(
-            self._batch, grid, override, self._keys[:size], temperature, top_k, top_p, min_p
-        )
+                return 0, 0
+        chunk, nxt = None, None if filling is None else self._next_chunk(filling, limit)
+        if nxt is not None:
+            done = filling.done_tokens
+            padded = np.zeros(nxt[1], np.int32)
+            padded[: nxt[0] - done] = filling.tokens[done : nxt[0]]
+            chunk = (filling.state, padded, np.int32(nxt[0] - done))
+            self.mixed_prompt_tokens += nxt[0] - done
+        self._batch, tokens, keys, prompt = self._step(
+            self._batch, grid, override, self._keys[:size], temperature, top_k, top_p, min_p,
+            chunk=chunk,
+        )  # fmt: skip
         tokens, keys = np.asarray(tokens), np.asarray(keys)
         for row in stepping:
             self._keys[row] = keys[row]
@@ -778,20 +847,29 @@ class Engine:
                 ticket.on_token()
             if ticket.decoder.done:
                 self._finish_row(row)
+        if filling is not None:  # after the rows: a completed prompt takes a row
+            if nxt is None:
+                self._chunk_done(filling, filling.state, filling.done_tokens)
+            else:
+                self._chunk_done(filling, prompt, nxt[0])
+        return size, 0 if nxt is None else nxt[1]
 
     def _step(self, batch: Any, grid: np.ndarray | None, override: np.ndarray,
-              *sampling: np.ndarray) -> tuple[Any, jax.Array, jax.Array]:  # fmt: skip
+              *sampling: np.ndarray, chunk: Any = None) -> tuple[Any, Any, Any, Any]:  # fmt: skip
         """One batched step of `len(override)` rows: dense rows, or (`grid`: their page
-        tables) rows reading and writing the page pool."""
+        tables) rows reading and writing the page pool; `chunk` (`model.batch.Chunk`) rides
+        along. Returns (batch, tokens, keys, the chunk's prompt state or None)."""
         size = len(override)
         args = (override, *sampling, np.int32(self.tokenizer.eos_id))
         if self.pages is None:
-            return batch_ops.step(self.params, batch, *args, cfg=self.cfg, size=size)
-        batch, self.pages.arrays, tokens, keys = batch_ops.paged_step(
-            self.params, batch, self.pages.arrays, grid, *args, cfg=self.cfg, size=size,
+            out = batch_ops.step(self.params, batch, *args, chunk, cfg=self.cfg, size=size)
+            return out if chunk is not None else (*out, None)
+        out = batch_ops.paged_step(
+            self.params, batch, self.pages.arrays, grid, *args, chunk, cfg=self.cfg, size=size,
             span=self._batch_span,
         )  # fmt: skip
-        return batch, tokens, keys
+        batch, self.pages.arrays, tokens, keys = out[:4]
+        return batch, tokens, keys, out[4] if chunk is not None else None
 
     def _grid(self, size: int, stepping: list[int]) -> np.ndarray:
         """The page tables of rows [0, size) for a step, each stepping row's grown by the
@@ -1049,7 +1127,9 @@ class Engine:
 
     def warm_up(self) -> None:
         """Compile every prefill chunk size and the batched step at every size up to
-        `max_batch` (before serving), on throwaway states: no session is touched."""
+        `max_batch` (before serving), on throwaway states: no session is touched. With
+        `stall_bound`, each size's mixed step with the smallest chunk too (other chunk sizes
+        and spans compile on first use, then come from the persistent cache)."""
         for size in self.chunk_sizes:
             state, _ = prefill(self.params, self._empty, [self.tokenizer.bos_id] * size, self.cfg,
                                chunk_sizes=(size,))  # fmt: skip
@@ -1061,17 +1141,22 @@ class Engine:
             scratch = self._new_batch()
             empty = self._empty if self.pages is None else small_part(self._empty)
             scratch = batch_ops.insert(scratch, np.int32(0), empty)
+            # with the prefill bound, also each size's step with the smallest chunk riding in
+            # it, the first that a prompt arriving while rows decode takes
+            small = min(self.chunk_sizes)
+            chunks = [None, (self._empty, np.zeros(small, np.int32), np.int32(1))]
             for size in batch_ops.BATCH_SIZES:
                 if size > self.max_batch:
                     break
                 grid = np.zeros((size, pages_for(self._batch_span)), np.int32)
-                for _ in range(2):  # the second call sees the step's own outputs
-                    scratch, _, _ = self._step(
-                        scratch, grid, np.full(size, -1, np.int32),
-                        np.zeros((size, 2), np.uint32), np.zeros(size, np.float32),
-                        np.zeros(size, np.int32), np.ones(size, np.float32),
-                        np.zeros(size, np.float32),
-                    )  # fmt: skip
+                for chunk in chunks[: 2 if self.stall_bound else 1]:
+                    for _ in range(2):  # the second call sees the step's own outputs
+                        scratch, _, _, _ = self._step(
+                            scratch, grid, np.full(size, -1, np.int32),
+                            np.zeros((size, 2), np.uint32), np.zeros(size, np.float32),
+                            np.zeros(size, np.int32), np.ones(size, np.float32),
+                            np.zeros(size, np.float32), chunk=chunk,
+                        )  # fmt: skip
             jax.block_until_ready(batch_ops.extract(scratch, np.int32(0)))
         if self.pages is not None:  # the page programs: write, copy (a shared tail), read
             a = self.pages.keep(self._empty, 1)

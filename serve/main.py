@@ -16,6 +16,7 @@ from ds4jax.cli import add_attention_impl, add_hub_options, add_weights
 from ds4jax.config import CONFIG_DIR
 from ds4jax.continuation.reasoning_seal import ReasoningSeal
 from ds4jax.engine import Engine
+from ds4jax.interleave import DEFAULT_STALL_BOUND
 from ds4jax.model.sharding import MESH_HELP
 from serve import logs
 from serve.app import ServerConfig, create_app
@@ -48,9 +49,14 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--host", default="127.0.0.1")
     sp.add_argument("--port", type=int, default=8000)
     sp.add_argument("--ctx", type=int, default=8192, help="context size in tokens")
-    sp.add_argument("--chunk-sizes", default="16,64,256,512",
+    sp.add_argument("--chunk-sizes", default="4,16,64,256,512",
                     help="prefill chunk sizes, each compiled at start-up (a prompt is cut "
-                    "into the largest, its rest padded to the smallest that holds it)")  # fmt: skip
+                    "into the largest, its rest padded to the smallest that holds it; "
+                    "while others decode, into the largest --stall-bound allows)")  # fmt: skip
+    sp.add_argument("--stall-bound", type=float, default=DEFAULT_STALL_BOUND, metavar="X",
+                    help="while requests decode, prefill a new prompt in chunks that keep "
+                    "their gap between tokens within X decode steps (measured as it runs; "
+                    "0: whole chunks, the streams wait)")  # fmt: skip
     sp.add_argument("--api-key", default=os.environ.get("DS4JAX_API_KEY"),
                     help="require this key (x-api-key or Bearer); env DS4JAX_API_KEY")  # fmt: skip
     sp.add_argument("--model-name", default="deepseek-v4-flash", help="the model id served")
@@ -160,6 +166,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
         raise SystemExit(
             f"ds4jax serve: --chunk-sizes {args.chunk_sizes!r}: give sizes like 64,512"
         )
+    if args.stall_bound and args.stall_bound < 1:
+        raise SystemExit(f"ds4jax serve: --stall-bound {args.stall_bound}: 0 (off) or ≥ 1")
     paged = {}
     if args.paged:
         paged = {"paged_pages": paged_pool_size(cfg, args.ctx, budget, args.max_batch)}
@@ -168,7 +176,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
             cfg, params, tokenizer, max_len=args.ctx, store=store, sessions=args.sessions,
             fork_points=True, state_budget_bytes=budget, max_batch=args.max_batch, mesh=mesh,
             chunk_sizes=chunks, host_budget_bytes=int(args.host_state_memory * 2**30) or None,
-            **paged,
+            stall_bound=args.stall_bound or None, **paged,
         )  # fmt: skip
     except ValueError as err:  # a state budget that holds no state, a batch the mesh cannot split
         raise SystemExit(f"ds4jax serve: {err}") from err

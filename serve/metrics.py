@@ -194,8 +194,8 @@ def _api(job: Any) -> str:
 
 
 class _Snapshot:
-    """Gauges (and the disk store's own counters) read when scraped: what the engine holds
-    now, never a copy that could go stale."""
+    """Gauges (and the disk store's and the scheduler's own counters) read when scraped:
+    what the engine holds now, never a copy that could go stale."""
 
     def __init__(self, worker: Any, model_name: str) -> None:
         self.worker = worker
@@ -226,6 +226,8 @@ class _Snapshot:
         counts = {
             "disk_checkpoint_saves": getattr(store, "saved", 0),
             "disk_checkpoint_restores": getattr(store, "restored", 0),
+            "mixed_steps": engine.mixed_steps,
+            "mixed_step_prompt_tokens": engine.mixed_prompt_tokens,
         }
         yield from self._families(values, counts)
 
@@ -264,4 +266,6 @@ GAUGES = {
 STORE_COUNTERS = {
     "disk_checkpoint_saves": "Disk checkpoints written.",
     "disk_checkpoint_restores": "Disk checkpoints loaded into a session.",
+    "mixed_steps": "Decode steps a prompt's chunk rode in (--stall-bound).",
+    "mixed_step_prompt_tokens": "Prompt tokens evaluated inside decode steps (--stall-bound).",
 }

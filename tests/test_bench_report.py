@@ -234,6 +234,18 @@ PAGED = {
     "same_replies": True,
 }  # fmt: skip
 
+
+def _stall_run(bound: float | None, p99: float, rate: float) -> dict[str, Any]:
+    return {"stall_bound": bound, "prompt_tokens": 16000,
+            "alone": {"gaps": 120, "p50_ms": 40.0, "p99_ms": 50.0, "max_ms": 55.0},
+            "during_prefill": {"gaps": 80, "p50_ms": 60.0, "p99_ms": p99, "max_ms": p99,
+                               "p99_vs_alone_p50": p99 / 40},
+            "prefill_tok_s": rate, "prefill_seconds_all": 16000 / rate}  # fmt: skip
+
+
+STALL = {"model": "bench-192m", "streams": 4,
+         "runs": [_stall_run(None, 4000.0, 500.0), _stall_run(2.0, 70.0, 100.0)]}  # fmt: skip
+
 RESULTS = {
     "prompt": PROMPT,
     "model": MODEL,
@@ -246,6 +258,7 @@ RESULTS = {
     "llamacpp": LLAMACPP,
     "metrics": METRICS,
     "paged": PAGED,
+    "stall": STALL,
 }
 
 
@@ -374,6 +387,10 @@ def test_summary_ratios_are_this_runs_measurements() -> None:
     assert _value(rows, "short-request TTFT under load / idle, max_batch 8", "256") == 2.0
     assert _value(rows, "per-token p99, 8 streams / 1", "tiny") == 2.5
     assert _value(rows, "main TTFT after a sub-agent / alone, 1 sessions", "4120 ") == 40.0
+    gap = "stream p99 gap during a prefill / p50 alone, stall bound"
+    assert _value(rows, f"{gap} None", "bench-192m, 4 streams, a 16000-token") == 100
+    assert _value(rows, f"{gap} 2.0", "bench-192m") == 1.75
+    assert _value(rows, "prompt prefill tok/s bounded / whole chunks", "bench-192m") == 0.2
 
 
 def test_summary_table_and_files(tmp_path) -> None:

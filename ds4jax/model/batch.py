@@ -72,37 +72,69 @@ def extract(batch: DecodeState, row: jax.Array) -> DecodeState:
     return jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, row, 0, keepdims=False), batch)
 
 
-def forward_rows(params: Params, rows: DecodeState, tokens: jax.Array, cfg: Config) -> DecodeState:
+#: a prompt chunk evaluated inside a decode step (`step`'s `chunk`): the prompt's state, its
+#: tokens [C] (padded) and how many are real
+Chunk = tuple[DecodeState, jax.Array, jax.Array]
+
+
+def forward_rows(params: Params, rows: DecodeState, tokens: jax.Array, cfg: Config,
+                 chunk: Chunk | None = None) -> tuple[DecodeState, DecodeState | None]:  # fmt: skip
     """One token for each of B sessions: attention per row (its own state and position,
     `vmap`), everything else over the B tokens together — so the MoE routes B tokens and
-    every weight is read once per step, not once per row."""
-    n = rows.pos
+    every weight is read once per step, not once per row.
 
-    def attend(i: int, p: Params, ls, y: jax.Array):
+    `chunk`: a prompt's next C tokens ride along (a mixed step, issue 27): their attention
+    is `forward_chunk`'s on the prompt's own state, and everything else — embedding,
+    hyper-connections, the MoE, the head — runs over the B + C tokens together, so the chunk
+    adds its attention and its share of the arithmetic to the step rather than a program of
+    its own. Returns (rows, the prompt's state after the chunk or None)."""
+    n = rows.pos
+    B = tokens.shape[0]
+
+    def attend_rows(i: int, p: Params, ls, y: jax.Array):
         def one(ls_r, y_r, n_r):
             out, ls_r = attention(cfg, i, p, ls_r, y_r[None], n_r[None], n_r, jnp.int32(1))
             return out[0], ls_r
 
         return jax.vmap(one)(ls, y, n)
 
-    X, layers = run_layers(params, cfg, tokens, rows.layers, attend, rows=True)
-    logits = logits_of(params, cfg, X)
-    return DecodeState(layers=tuple(layers), pos=n + 1, logits=logits.astype(jnp.float32))
+    if chunk is None:
+        X, layers = run_layers(params, cfg, tokens, rows.layers, attend_rows, rows=True)
+        logits = logits_of(params, cfg, X)
+        return DecodeState(layers=tuple(layers), pos=n + 1, logits=logits.astype(jnp.float32)), None
+    state, chunk_tokens, n_valid = chunk
+    positions = state.pos + jnp.arange(chunk_tokens.shape[0], dtype=jnp.int32)
+
+    def attend(i: int, p: Params, ls, y: jax.Array):
+        a_rows, ls_rows = attend_rows(i, p, ls[0], y[:B])
+        a_chunk, ls_chunk = attention(cfg, i, p, ls[1], y[B:], positions, state.pos, n_valid)
+        return jnp.concatenate([a_rows, a_chunk]), (ls_rows, ls_chunk)
+
+    X, layers = run_layers(params, cfg, jnp.concatenate([tokens, chunk_tokens]),
+                           list(zip(rows.layers, state.layers, strict=True)), attend,
+                           rows=True)  # fmt: skip
+    last = jax.lax.dynamic_slice_in_dim(X, B + n_valid - 1, 1)
+    logits = logits_of(params, cfg, jnp.concatenate([X[:B], last])).astype(jnp.float32)
+    new_rows = DecodeState(layers=tuple(ls for ls, _ in layers), pos=n + 1, logits=logits[:B])
+    new_chunk = DecodeState(layers=tuple(ls for _, ls in layers), pos=state.pos + n_valid,
+                            logits=logits[B])  # fmt: skip
+    return new_rows, new_chunk
 
 
 def _advance(
     params: Params, rows: DecodeState, override: jax.Array, key_data: jax.Array,
     temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
-    eos_id: jax.Array, cfg: Config,
-) -> tuple[DecodeState, jax.Array, jax.Array]:  # fmt: skip
+    eos_id: jax.Array, cfg: Config, chunk: Chunk | None = None,
+) -> tuple[DecodeState, jax.Array, jax.Array, DecodeState | None]:  # fmt: skip
     """The step itself, on dense rows, whatever holds them (a dense batch, or pages read
-    through the rows' tables): sample or force, evaluate, keep EOS rows as they were."""
+    through the rows' tables): sample or force, evaluate (with `chunk` riding along),
+    keep EOS rows as they were."""
     split = jax.vmap(jax.random.split)(jax.random.wrap_key_data(key_data))
     keys, sub = split[:, 0], split[:, 1]
     sampled = sample_rows(rows.logits, sub, temperature, top_k, top_p, min_p)
     tokens = jnp.where(override >= 0, override, sampled).astype(jnp.int32)
 
-    advanced = forward_rows(params, rows, tokens, cfg)
+    advanced, prompt = forward_rows(params, rows, tokens, cfg, chunk)
     evaluated = tokens != eos_id
 
     def keep_eos_rows() -> DecodeState:
@@ -115,7 +147,7 @@ def _advance(
     # a select over every row's whole state only on the rare step where some row sampled
     # EOS (once per request), not on every step
     new = jax.lax.cond(jnp.all(evaluated), lambda: advanced, keep_eos_rows)
-    return new, tokens, jax.random.key_data(keys)
+    return new, tokens, jax.random.key_data(keys), prompt
 
 
 def _put(batch: DecodeState, new: DecodeState) -> DecodeState:
@@ -133,17 +165,23 @@ def step(
     top_p: jax.Array,  # [size] float32; 1 = off
     min_p: jax.Array,  # [size] float32; 0 = off
     eos_id: jax.Array,
+    chunk: Chunk | None = None,
     *,
     cfg: Config,
     size: int,
-) -> tuple[DecodeState, jax.Array, jax.Array]:
-    """Advance rows [0, size) by one token; returns (batch, tokens [size], next key data).
-    Pass the per-row arguments as host (numpy) arrays: the same program then serves every
-    call, whatever produced them."""
+) -> tuple[DecodeState, jax.Array, jax.Array] | tuple[DecodeState, jax.Array, jax.Array,
+                                                         DecodeState]:  # fmt: skip
+    """Advance rows [0, size) by one token; returns (batch, tokens [size], next key data),
+    and with `chunk` (a mixed step) the prompt's state after it too; the prompt's state is
+    not donated (a retained frontier may be what it continues). Pass the per-row arguments
+    as host (numpy) arrays: the same program then serves every call, whatever produced
+    them."""
     rows = jax.tree.map(lambda x: x[:size], batch)
-    new, tokens, keys = _advance(params, rows, override, key_data, temperature, top_k, top_p,
-                                 min_p, eos_id, cfg)  # fmt: skip
-    return _put(batch, new), tokens, keys
+    new, tokens, keys, prompt = _advance(params, rows, override, key_data, temperature, top_k,
+                                         top_p, min_p, eos_id, cfg, chunk)  # fmt: skip
+    if chunk is None:
+        return _put(batch, new), tokens, keys
+    return _put(batch, new), tokens, keys, prompt
 
 
 @partial(jax.jit, static_argnames=("cfg", "size", "span"), donate_argnums=(1, 2))
@@ -159,11 +197,13 @@ def paged_step(
     top_p: jax.Array,
     min_p: jax.Array,
     eos_id: jax.Array,
+    chunk: Chunk | None = None,
     *,
     cfg: Config,
     size: int,
     span: int,
-) -> tuple[DecodeState, page_io.Arrays, jax.Array, jax.Array]:
+) -> tuple[DecodeState, page_io.Arrays, jax.Array, jax.Array] | tuple[
+        DecodeState, page_io.Arrays, jax.Array, jax.Array, DecodeState]:  # fmt: skip
     """`step` for rows whose long part lives in the page pool (issue 26, "batch rows hold
     no copies"): each row's compressed and indexer rows are read through its table inside
     the step, at the capacity of `span` (the batch's), and the row a step completes is
@@ -171,10 +211,12 @@ def paged_step(
     step (`kvstore.pages.PagePool.advance`). Admitting a session moves its small part
     only. The arithmetic is `step`'s on the same dense values (a state's rows are stored
     in its dtype as they are made, so pages give them back exactly): a paged row's tokens
-    and state equal a dense row's bit for bit. Returns (small parts, pool, tokens, keys)."""
+    and state equal a dense row's bit for bit. Returns (small parts, pool, tokens, keys),
+    and with `chunk` the prompt's state after it (as `step`)."""
     small = jax.tree.map(lambda x: x[:size], batch)
     rows = page_io.with_pages(small, arrays, tables, cfg, span)
-    new, tokens, keys = _advance(params, rows, override, key_data, temperature, top_k, top_p,
-                                 min_p, eos_id, cfg)  # fmt: skip
+    new, tokens, keys, prompt = _advance(params, rows, override, key_data, temperature, top_k,
+                                         top_p, min_p, eos_id, cfg, chunk)  # fmt: skip
     arrays = page_io.put_new_rows(arrays, new, small.pos, tables, cfg, cfg.state_dtype)
-    return _put(batch, page_io.small_part(new)), arrays, tokens, keys
+    out = (_put(batch, page_io.small_part(new)), arrays, tokens, keys)
+    return out if chunk is None else (*out, prompt)

@@ -101,7 +101,7 @@ def run_layers(
 #: alternated, two runs), a bench-192m step at B=4 took 21.7 / 28.6 ms against 26.1 / 33.5
 #: with the GEMM, B=8 44.3 / 38.1 against 51.5 / 43.8; one row's GEMV already reads the
 #: weight once, and longer chunks are compute-bound GEMMs
-HEAD_REDUCE_ROWS = 8
+HEAD_REDUCE_ROWS = 9
 
 
 def logits_of(params: Params, cfg: Config, X: jax.Array) -> jax.Array:

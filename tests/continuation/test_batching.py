@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from ds4jax.chat.anthropic import parse_messages_request
 from ds4jax.continuation.types import CacheSource
 from ds4jax.engine import Engine, SamplingParams, Ticket
+from ds4jax.interleave import chunk_limit
 from tests.continuation.conftest import TOOLS, forced, tool_call_text
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -94,6 +95,62 @@ def test_a_long_prefill_delays_the_others_by_one_chunk_per_step(batch_engine) ->
     while engine.busy:
         engine.tick()
     assert short.error is None and long.error is None
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_a_prompt_that_arrives_while_rows_decode_rides_in_their_steps(batch_engine,
+                                                                        paged) -> None:  # fmt: skip
+    """`stall_bound`: while the short request decodes, each tick evaluates no more of the
+    long prompt than `interleave.chunk_limit` allows for the costs measured so far (the
+    first such chunk the smallest size: no chunk cost known yet), inside the decode step
+    (mixed steps: chunk costs are recorded); alone, the same prompt runs in whole chunks;
+    the long request's output and final state are those of its run alone. Dense rows and
+    rows in pages alike."""
+    e = batch_engine
+    engine = Engine(e.cfg, e.params, e.tokenizer, max_len=e.max_len, chunk_sizes=(4, 16, 64),
+                    sessions=6, fork_points=True, max_batch=4, stall_bound=2.0,
+                    paged_pages=64 if paged else None)  # fmt: skip
+    long_text = " ".join(f"Rule {i}: keep the tree tidy." for i in range(40))
+
+    def advances(ticket: Ticket) -> list[tuple[int, int]]:
+        """(tokens the tick prefilled, the bound before it) until the prompt is done."""
+        out = []
+        while ticket.decoder is None and not ticket.finished.is_set():
+            done, step = ticket.done_tokens, engine._step_size()
+            limit = chunk_limit(engine.chunk_sizes, step, engine.tick_costs, engine.stall_bound)
+            engine.tick()
+            if ticket.tokens:  # admitted
+                out.append((ticket.done_tokens - done, limit if step else 0))
+        return out
+
+    fresh(engine)
+    alone_ticket = engine.submit(prepared(engine, long_text, 6))
+    alone = advances(alone_ticket)
+    assert alone[0][0] == 64 and all(bound == 0 for _, bound in alone)  # whole chunks
+    while engine.busy:
+        engine.tick()
+    fresh(engine)
+    stop = threading.Event()
+    short = engine.submit(prepared(engine, "Tell a story.", 200), cancel=stop)
+    while active_rows(engine) == 0:
+        engine.tick()
+    long = engine.submit(prepared(engine, long_text, 6))
+    bounded = advances(long)
+    assert short.decoder is not None and not short.finished.is_set()  # it decoded throughout
+    assert bounded[0] == (4, 4)  # nothing measured: the smallest chunk
+    assert all(n <= bound for n, bound in bounded)
+    assert len(bounded) > len(alone)
+    while not long.finished.is_set():
+        engine.tick()
+    assert long.error is None and long.result.output_tokens == alone_ticket.result.output_tokens
+    assert long.result.raw_text == alone_ticket.result.raw_text
+    assert engine.tick_costs.chunk_s and set(engine.tick_costs.chunk_s) <= {4, 16, 64}  # mixed
+    assert engine.mixed_prompt_tokens == sum(n for n, _ in bounded) and engine.mixed_steps
+    live = engine.pool.sessions[long.result.session].live
+    assert np.abs(engine.logits_for(live.tokens) - np.asarray(live.state.logits)).max() <= 1e-5
+    stop.set()
+    while engine.busy:
+        engine.tick()
 
 
 def test_a_cancelled_row_leaves_and_the_others_go_on(batch_engine) -> None:

@@ -31,13 +31,13 @@ def prompt_state(model, n: int, seed: int):
     return prefill(params, init_state(cfg, MAX_LEN), toks, cfg, chunk_sizes=(16,))[0]
 
 
-def run_step(model, batch, size, override, temperature=0.0, seed=0):
+def run_step(model, batch, size, override, temperature=0.0, seed=0, chunk=None):
     cfg, params = model
     keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(seed), size)))
     return mb.step(
         params, batch, np.asarray(override, np.int32), keys,
         np.full(size, temperature, np.float32), np.zeros(size, np.int32),
-        np.ones(size, np.float32), np.zeros(size, np.float32), np.int32(EOS),
+        np.ones(size, np.float32), np.zeros(size, np.float32), np.int32(EOS), chunk,
         cfg=cfg, size=size,
     )  # fmt: skip
 
@@ -57,6 +57,35 @@ def test_rows_equal_their_sessions_decoded_alone(model) -> None:
             got = mb.extract(batch, jnp.int32(row))
             assert int(got.pos) == int(solos[row].pos)
             assert float(jnp.abs(got.logits - solos[row].logits).max()) <= 1e-5
+
+
+def test_a_prompt_chunk_riding_in_the_step_equals_its_own_prefill(model) -> None:
+    """A mixed step (issue 27): the rows step as without the chunk, and the prompt's state
+    after it equals prefilling those tokens alone — across compression boundaries and the
+    window, for full and padded chunks, with an EOS row kept as it was."""
+    cfg, params = model
+    solos = [prompt_state(model, n, i) for i, n in enumerate((5, 23))]
+    prompt = np.random.default_rng(9).integers(4, cfg.vocab_size, 60)
+    state, done = init_state(cfg, MAX_LEN), 0
+    batch = mb.empty_batch(cfg, MAX_LEN, 2)
+    for row, s in enumerate(solos):
+        batch = mb.insert(batch, jnp.int32(row), s)
+    plain = jax.tree.map(jnp.copy, batch)
+    for step, n in enumerate((16, 3, 16, 9, 16)):
+        override = [EOS if step == 2 else -1, -1]
+        plain, want, _ = run_step(model, plain, 2, override)
+        chunk = np.zeros(16, np.int32)
+        chunk[:n] = prompt[done : done + n]
+        batch, got, _, state_after = run_step(model, batch, 2, override,
+                                              chunk=(state, chunk, np.int32(n)))  # fmt: skip
+        alone, _ = prefill(params, state, prompt[done : done + n], cfg, chunk_sizes=(16,))
+        state, done = state_after, done + n
+        assert np.array_equal(np.asarray(got), np.asarray(want))
+        assert int(state.pos) == int(alone.pos) == done
+        for got_tree, want_tree in ((batch, plain), (state, alone)):  # empty slots: ±inf
+            for a, b in zip(jax.tree.leaves(got_tree), jax.tree.leaves(want_tree), strict=True):
+                np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                           rtol=0, atol=1e-5)  # fmt: skip
 
 
 def test_forced_tokens_and_eos(model) -> None:

@@ -38,6 +38,7 @@ REQUIRED = [
     "request_prompt_tokens_bucket", "request_prefilled_tokens_bucket", "requests_running",
     "requests_waiting", "sessions_resident", "fork_points", "batch_rows_active", "state_bytes",
     "state_bytes_limit", "disk_checkpoint_bytes", "model_config_info", "state_restores_total",
+    "mixed_steps_total", "mixed_step_prompt_tokens_total",
 ]  # fmt: skip
 SOURCES = ["live_tool_ids", "live_visible", "live_tokens", "live_text", "fork_point", "disk",
            "cold"]  # fmt: skip
