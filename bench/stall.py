@@ -19,6 +19,9 @@ p99 ≤ 2×), the chunk sizes the bound chose, and the prompt's prefill rate eit
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -53,10 +56,10 @@ def _request(engine, text: str, max_tokens: int):
                                   sampling=SamplingParams(temperature=0.0))  # fmt: skip
 
 
-def _long_text(engine, tokens: int) -> str:
+def _long_text(tokenizer, tokens: int) -> str:
     """A user message of about `tokens` tokens."""
     line = "Rule {}: keep every module small and named for what it holds.\n"
-    per = len(engine.tokenizer.encode_text(line.format(1000)))
+    per = len(tokenizer.encode_text(line.format(1000)))
     return "".join(line.format(i) for i in range(tokens // per))
 
 
@@ -100,7 +103,7 @@ def scenario(name: str, max_len: int, prompt_tokens: int, stall: float | None,
     its prefill (at most `window` seconds of it)."""
     engine = _engine(name, max_len, stall)
     engine.warm_up()
-    text = _long_text(engine, prompt_tokens)
+    text = _long_text(engine.tokenizer, prompt_tokens)
     stamps: list[list[float]] = [[] for _ in range(STREAMS)]
     stop = threading.Event()
     rows = []
@@ -158,6 +161,86 @@ def scenario(name: str, max_len: int, prompt_tokens: int, stall: float | None,
                               for k, v in sorted(engine.tick_costs.step_s.items())}}  # fmt: skip
 
 
+def _serve(name: str, ctx: int, stall: float | None) -> tuple[subprocess.Popen, str]:
+    """`ds4jax serve` on a free port, returned once it says it is ready."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "ds4jax", "serve", "--config", name, "--ctx", str(ctx),
+           "--port", str(port), "--sessions", str(STREAMS + 2),
+           "--stall-bound", str(stall or 0)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if "ready on" in line:
+            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep it drained
+            return proc, f"http://127.0.0.1:{port}"
+    raise RuntimeError(f"ds4jax serve exited ({proc.wait()})")
+
+
+def over_http(name: str, ctx: int, prompt_tokens: int, stall: float | None, window: float,
+              alone_s: float) -> dict[str, Any]:  # fmt: skip
+    """The same scenario as a user meets it: a server, four streaming `anthropic` SDK
+    clients, the gaps between their text deltas as the client sees them; then a fifth
+    client sends the long prompt (one token asked)."""
+    import anthropic
+
+    proc, url = _serve(name, ctx, stall)
+    try:
+        client = anthropic.Anthropic(base_url=url, api_key="bench", max_retries=0, timeout=900)
+        stamps: list[list[float]] = [[] for _ in range(STREAMS)]
+        stop = threading.Event()
+
+        def stream(i: int) -> None:
+            with client.messages.stream(
+                model="deepseek-v4-flash", max_tokens=3000,
+                thinking={"type": "disabled"},
+                messages=[{"role": "user", "content": f"Stream {i}: tell a long story."}],
+            ) as events:  # fmt: skip
+                for event in events:
+                    if event.type == "content_block_delta":
+                        stamps[i].append(time.perf_counter())
+                    if stop.is_set():
+                        return
+
+        threads = [threading.Thread(target=stream, args=(i,), daemon=True)
+                   for i in range(STREAMS)]  # fmt: skip
+        for t in threads:
+            t.start()
+        while min(len(s) for s in stamps) < 20:
+            time.sleep(0.1)
+        marks = [len(s) for s in stamps]
+        time.sleep(alone_s)
+        alone = [g for s, a in zip(stamps, marks, strict=True) for g in np.diff(s[a:])]
+        from ds4jax.chat.tokenizer import V4Tokenizer
+
+        text = _long_text(V4Tokenizer(), prompt_tokens)
+        done = threading.Event()
+
+        def send_long() -> None:
+            client.messages.create(model="deepseek-v4-flash", max_tokens=1,
+                                   thinking={"type": "disabled"},
+                                   messages=[{"role": "user", "content": text}])  # fmt: skip
+            done.set()
+
+        t0 = time.perf_counter()
+        marks = [len(s) for s in stamps]
+        threading.Thread(target=send_long, daemon=True).start()
+        finished = done.wait(window)
+        elapsed = time.perf_counter() - t0
+        during = [g for s, a in zip(stamps, marks, strict=True) for g in np.diff(s[a:])]
+        stop.set()
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    base = _stats(alone)
+    return {"stall_bound": stall, "over": "http", "alone": base,
+            "during_prefill": _stats(during, base["p50_ms"]), "prompt_finished": finished,
+            "prompt_seconds": round(elapsed, 1) if finished else None,
+            "seconds_timed": round(elapsed, 1)}  # fmt: skip
+
+
 def main(quick: bool = False) -> dict[str, Any]:
     from bench.disk import use_compile_cache
 
@@ -179,6 +262,19 @@ def main(quick: bool = False) -> dict[str, Any]:
               f"{r['prefill_tok_s']} tok/s, {r['prefill_tokens_timed']} tokens in "
               f"{r['prefill_seconds_timed']} s (all: ~{r['prefill_seconds_all']} s); "
               f"tokens per tick {r['tokens_per_tick']}", flush=True)  # fmt: skip
+    if not quick:  # as a user meets it: a server and streaming SDK clients
+        out["http"] = []
+        for stall in (None, 2.0):
+            print(f"-- over HTTP: {STREAMS} streaming SDK clients, a {prompt}-token prompt "
+                  f"arrives; --stall-bound {stall or 0}", flush=True)  # fmt: skip
+            r = over_http(name, max_len, prompt, stall, window, 10.0)
+            out["http"].append(r)
+            a, d = r["alone"], r["during_prefill"]
+            print(f"   deltas alone p50 {a['p50_ms']} ms p99 {a['p99_ms']}; during the "
+                  f"prefill p50 {d['p50_ms']} p99 {d['p99_ms']} max {d['max_ms']} ms (p99 "
+                  f"{d['p99_vs_alone_p50']}x the p50 alone); the long request "
+                  f"{r['prompt_seconds'] or 'not done'} s of {r['seconds_timed']} s timed",
+                  flush=True)  # fmt: skip
     write_json("stall", out, quick)
     return out
 
