@@ -357,7 +357,7 @@ DEMO_SERVE_ARGS = ("--sessions", "6", "--stats-interval", "1", "--paged")
 #: (the chunk sizes the tests' prompts are cut into, as with the default ones: 256 would only
 #: add a compile)
 GROUP_ARGS = ("--mesh", "expert=2,tensor=4", "--sessions", "2", "--max-batch", "1",
-              "--chunk-sizes", "16,64,512")  # fmt: skip
+              "--chunk-sizes", "4,16,64,512")  # fmt: skip
 
 
 class ServeGroup:
