@@ -23,9 +23,11 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -161,22 +163,24 @@ def scenario(name: str, max_len: int, prompt_tokens: int, stall: float | None,
                               for k, v in sorted(engine.tick_costs.step_s.items())}}  # fmt: skip
 
 
-def _serve(name: str, ctx: int, stall: float | None) -> tuple[subprocess.Popen, str]:
-    """`ds4jax serve` on a free port, returned once it says it is ready."""
+def _serve(name: str, ctx: int, stall: float | None, log: Path) -> tuple[subprocess.Popen, str]:
+    """`ds4jax serve` on a free port, its log in `log`, returned once it says it is ready."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "ds4jax", "serve", "--config", name, "--ctx", str(ctx),
            "--port", str(port), "--sessions", str(STREAMS + 2),
            "--stall-bound", str(stall or 0)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if "ready on" in line:
-            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep it drained
-            return proc, f"http://127.0.0.1:{port}"
-    raise RuntimeError(f"ds4jax serve exited ({proc.wait()})")
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    deadline = time.monotonic() + 900
+    while "ready on" not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"ds4jax serve did not start: {log.read_text()[-2000:]}")
+        time.sleep(0.5)
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def over_http(name: str, ctx: int, prompt_tokens: int, stall: float | None, window: float,
@@ -186,7 +190,8 @@ def over_http(name: str, ctx: int, prompt_tokens: int, stall: float | None, wind
     client sends the long prompt (one token asked)."""
     import anthropic
 
-    proc, url = _serve(name, ctx, stall)
+    log = Path(tempfile.gettempdir()) / f"ds4jax-bench-stall-{stall or 0}.log"
+    proc, url = _serve(name, ctx, stall, log)
     try:
         client = anthropic.Anthropic(base_url=url, api_key="bench", max_retries=0, timeout=900)
         stamps: list[list[float]] = [[] for _ in range(STREAMS)]
@@ -219,10 +224,13 @@ def over_http(name: str, ctx: int, prompt_tokens: int, stall: float | None, wind
         done = threading.Event()
 
         def send_long() -> None:
-            client.messages.create(model="deepseek-v4-flash", max_tokens=1,
-                                   thinking={"type": "disabled"},
-                                   messages=[{"role": "user", "content": text}])  # fmt: skip
-            done.set()
+            try:
+                client.messages.create(model="deepseek-v4-flash", max_tokens=1,
+                                       thinking={"type": "disabled"},
+                                       messages=[{"role": "user", "content": text}])  # fmt: skip
+                done.set()
+            except anthropic.APIError:  # past the window the server is stopped under it
+                pass
 
         t0 = time.perf_counter()
         marks = [len(s) for s in stamps]
@@ -235,7 +243,7 @@ def over_http(name: str, ctx: int, prompt_tokens: int, stall: float | None, wind
         proc.terminate()
         proc.wait(60)
     base = _stats(alone)
-    return {"stall_bound": stall, "over": "http", "alone": base,
+    return {"stall_bound": stall, "over": "http", "server_log": str(log), "alone": base,
             "during_prefill": _stats(during, base["p50_ms"]), "prompt_finished": finished,
             "prompt_seconds": round(elapsed, 1) if finished else None,
             "seconds_timed": round(elapsed, 1)}  # fmt: skip
