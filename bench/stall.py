@@ -254,7 +254,7 @@ def main(quick: bool = False) -> dict[str, Any]:
 
     use_compile_cache()
     name, prompt, max_len, window = (("tiny", 1500, 2048, 10.0) if quick
-                                     else ("bench-192m", 16000, 16384, 120.0))  # fmt: skip
+                                     else ("bench-192m", 16000, 16384, 60.0))  # fmt: skip
     out: dict[str, Any] = {"date": datetime.now().isoformat(timespec="seconds"),
                            "quick": quick, "model": name, "streams": STREAMS,
                            "chunk_sizes": list(CHUNKS), "runs": []}  # fmt: skip
