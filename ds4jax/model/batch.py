@@ -78,7 +78,8 @@ Chunk = tuple[DecodeState, jax.Array, jax.Array]
 
 
 def forward_rows(params: Params, rows: DecodeState, tokens: jax.Array, cfg: Config,
-                 chunk: Chunk | None = None) -> tuple[DecodeState, DecodeState | None]:  # fmt: skip
+                 chunk: Chunk | None = None, valid: jax.Array | None = None,
+                 ) -> tuple[DecodeState, DecodeState | None]:  # fmt: skip
     """One token for each of B sessions: attention per row (its own state and position,
     `vmap`), everything else over the B tokens together — so the MoE routes B tokens and
     every weight is read once per step, not once per row.
@@ -87,21 +88,28 @@ def forward_rows(params: Params, rows: DecodeState, tokens: jax.Array, cfg: Conf
     is `forward_chunk`'s on the prompt's own state, and everything else — embedding,
     hyper-connections, the MoE, the head — runs over the B + C tokens together, so the chunk
     adds its attention and its share of the arithmetic to the step rather than a program of
-    its own. Returns (rows, the prompt's state after the chunk or None)."""
+    its own. `valid` [B] (0 or 1): a row with 0 writes nothing — its state and logits stay
+    as they were, the way a padded chunk position writes nothing — so no select over the
+    rows' whole states is needed after the step. Returns (rows, the prompt's state after
+    the chunk or None)."""
     n = rows.pos
     B = tokens.shape[0]
+    valid = jnp.ones(B, jnp.int32) if valid is None else valid.astype(jnp.int32)
 
     def attend_rows(i: int, p: Params, ls, y: jax.Array):
-        def one(ls_r, y_r, n_r):
-            out, ls_r = attention(cfg, i, p, ls_r, y_r[None], n_r[None], n_r, jnp.int32(1))
+        def one(ls_r, y_r, n_r, v_r):
+            out, ls_r = attention(cfg, i, p, ls_r, y_r[None], n_r[None], n_r, v_r)
             return out[0], ls_r
 
-        return jax.vmap(one)(ls, y, n)
+        return jax.vmap(one)(ls, y, n, valid)
+
+    def kept(logits: jax.Array) -> jax.Array:
+        return jnp.where(valid[:, None] > 0, logits.astype(jnp.float32), rows.logits)
 
     if chunk is None:
         X, layers = run_layers(params, cfg, tokens, rows.layers, attend_rows, rows=True)
-        logits = logits_of(params, cfg, X)
-        return DecodeState(layers=tuple(layers), pos=n + 1, logits=logits.astype(jnp.float32)), None
+        logits = kept(logits_of(params, cfg, X))
+        return DecodeState(layers=tuple(layers), pos=n + valid, logits=logits), None
     state, chunk_tokens, n_valid = chunk
     positions = state.pos + jnp.arange(chunk_tokens.shape[0], dtype=jnp.int32)
 
@@ -115,7 +123,8 @@ def forward_rows(params: Params, rows: DecodeState, tokens: jax.Array, cfg: Conf
                            rows=True)  # fmt: skip
     last = jax.lax.dynamic_slice_in_dim(X, B + n_valid - 1, 1)
     logits = logits_of(params, cfg, jnp.concatenate([X[:B], last])).astype(jnp.float32)
-    new_rows = DecodeState(layers=tuple(ls for ls, _ in layers), pos=n + 1, logits=logits[:B])
+    new_rows = DecodeState(layers=tuple(ls for ls, _ in layers), pos=n + valid,
+                           logits=kept(logits[:B]))  # fmt: skip
     new_chunk = DecodeState(layers=tuple(ls for _, ls in layers), pos=state.pos + n_valid,
                             logits=logits[B])  # fmt: skip
     return new_rows, new_chunk
@@ -127,26 +136,15 @@ def _advance(
     eos_id: jax.Array, cfg: Config, chunk: Chunk | None = None,
 ) -> tuple[DecodeState, jax.Array, jax.Array, DecodeState | None]:  # fmt: skip
     """The step itself, on dense rows, whatever holds them (a dense batch, or pages read
-    through the rows' tables): sample or force, evaluate (with `chunk` riding along),
-    keep EOS rows as they were."""
+    through the rows' tables): sample or force, evaluate (with `chunk` riding along);
+    rows that sampled EOS are left as they were."""
     split = jax.vmap(jax.random.split)(jax.random.wrap_key_data(key_data))
     keys, sub = split[:, 0], split[:, 1]
     sampled = sample_rows(rows.logits, sub, temperature, top_k, top_p, min_p)
     tokens = jnp.where(override >= 0, override, sampled).astype(jnp.int32)
 
-    advanced, prompt = forward_rows(params, rows, tokens, cfg, chunk)
-    evaluated = tokens != eos_id
-
-    def keep_eos_rows() -> DecodeState:
-        return jax.tree.map(
-            lambda n, o: jnp.where(evaluated.reshape((-1,) + (1,) * (n.ndim - 1)), n, o),
-            advanced,
-            rows,
-        )
-
-    # a select over every row's whole state only on the rare step where some row sampled
-    # EOS (once per request), not on every step
-    new = jax.lax.cond(jnp.all(evaluated), lambda: advanced, keep_eos_rows)
+    # a sampled EOS is not evaluated: that row writes nothing and keeps its logits
+    new, prompt = forward_rows(params, rows, tokens, cfg, chunk, valid=tokens != eos_id)
     return new, tokens, jax.random.key_data(keys), prompt
 
 

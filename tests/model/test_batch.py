@@ -88,9 +88,12 @@ def test_a_prompt_chunk_riding_in_the_step_equals_its_own_prefill(model) -> None
                                            rtol=0, atol=1e-5)  # fmt: skip
 
 
-def test_forced_tokens_and_eos(model) -> None:
+@pytest.mark.parametrize("n", [17, 19, 31])  # 19, 31: the next token would close a window
+def test_forced_tokens_and_eos(model, n) -> None:
+    """A sampled EOS is not evaluated: the row writes nothing (no select over the states
+    afterwards), bit for bit, even where the next position completes a compressed window."""
     cfg, params = model
-    a, b = prompt_state(model, 9, 7), prompt_state(model, 17, 8)
+    a, b = prompt_state(model, 9, 7), prompt_state(model, n, 8)
     batch = mb.insert(mb.insert(mb.empty_batch(cfg, MAX_LEN, 2), jnp.int32(0), a), jnp.int32(1), b)
     batch, tokens, _ = run_step(model, batch, 2, [42, EOS])
     assert tokens.tolist() == [42, EOS]
