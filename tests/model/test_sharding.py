@@ -82,6 +82,24 @@ SCRIPT = textwrap.dedent(
     berr = float(np.abs(np.asarray(logits) - np.asarray(ref_logits)).max())
     print("batch_max_err", berr)
     assert berr <= 1e-5, berr
+    # a mixed step (a prompt's chunk riding along) on the data-split rows, a replicated
+    # prompt state: the rows and the prompt's state as on one device
+    def mixed(p, b, prompt):
+        keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), 2)))
+        chunk = (prompt, np.arange(4, dtype=np.int32) + 9, np.int32(3))
+        return mb.step(p, b, np.array([-1, 7], np.int32), keys, np.zeros(2, np.float32),
+                       np.zeros(2, np.int32), np.ones(2, np.float32), np.zeros(2, np.float32),
+                       np.int32(1), chunk, cfg=cfg, size=2)
+    prompt = prefill(one_dev, one(init_state(cfg, 64)), toks[:27], cfg, chunk_sizes=(16,))[0]
+    want = mixed(one_dev, batch_of(one_dev, one), prompt)
+    split = jax.device_put(jax.device_get(batch_of(one_dev, one)), batch_sharding(md))
+    got = mixed(shard_params(params, cfg, md), split,
+                jax.device_put(jax.device_get(prompt), replicated(md)))
+    assert got[1].tolist() == want[1].tolist()
+    merr = max(float(np.abs(np.asarray(got[i].logits) - np.asarray(want[i].logits)).max())
+               for i in (0, 3))
+    print("mixed_data_err", merr)
+    assert merr <= 1e-5, merr
 
     # the CLI takes the same flag: dump-logits on the mesh equals one device
     import os, tempfile
@@ -224,6 +242,7 @@ def test_eight_device_mesh_matches_one_device() -> None:
         assert p.returncode == 0, out
     first, second = outs
     assert "batch_max_err" in first and "data_axis_err" in first and "cli_max_err" in first
+    assert "mixed_data_err" in first
     assert "fp8_mesh_err" in first
     assert "engine_max_err" in second and "cross_mesh_restore_err" in second
 
