@@ -3,9 +3,10 @@
 A request: validate (`prepare`, on the client's thread) → `submit` → the scheduler
 (`tick`, one thread at a time under a lock; the server gives it one worker thread) routes
 it (`continuation.pool.route`: a session and a decision) → prefills the suffix one chunk
-per step → retains the prompt-end state as a fork point → decodes it in a row of the
-batched step (`model.batch`) beside every other active request, with sampling, forcing and
-stop conditions per row (`decoding.RowDecoder`) and events through the streaming DSML
+per step (while other rows decode, a bounded chunk inside their step: `interleave`) →
+retains the prompt-end state as a fork point → decodes it in a row of the batched step
+(`model.batch`) beside every other active request, with sampling, forcing and stop
+conditions per row (`decoding.RowDecoder`) and events through the streaming DSML
 parser → updates that session's frontier and bindings → drops what the state budget no
 longer holds (`pool.evictions`, saved to disk first when a store is configured). A live
 frontier is replaced, never mutated, and only after the step that produced it finished; a

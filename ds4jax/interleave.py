@@ -1,8 +1,9 @@
 """How much of a waiting prompt one scheduler tick may evaluate while other rows decode.
 
 Why (issue 27): a decoding stream's gap between two tokens is one tick. With the prompt's
-chunk a program of its own before the step, in whole 512-token chunks, a 16k-token prompt
-stalled four bench-192m streams at a p99 gap of 7.1 s against 44 ms alone. So while rows
+chunk a program of its own before the step, in whole 512-token chunks, a 15k-token prompt
+stalled four bench-192m streams at a p99 gap of 2.4–3.0 s against 42–44 ms alone (`bench
+stall`; 1.9–2.8× with the bound, README "Continuous batching"). So while rows
 decode, the chunk rides inside their step (`model.batch.step`'s `chunk`: embedding, the
 hyper-connections, the MoE and the head run over the rows' tokens and the chunk's
 together) and is bounded: the largest chunk size whose measured extra cost keeps the step
