@@ -110,12 +110,6 @@ def _on_host(tree: Any) -> Any:
 PAGED_START = 64
 
 
-class Cancelled(RuntimeError):
-    """A request whose client left before it decoded a token: while queued (the server's
-    worker never hands it over) or while its prompt was prefilled (`tick` stops it at the
-    next step; nothing of it is kept, its session's frontier stays as it was)."""
-
-
 class EngineError(RuntimeError):
     """A request the engine refuses; `status` is the HTTP status it maps to."""
 
@@ -504,11 +498,6 @@ class Engine:
             if limit is None:
                 limit = self.chunk_limit()
             ticket = self._prefilling
-            if ticket is not None and ticket.cancel is not None and ticket.cancel.is_set():
-                # a bounded prefill under load can take minutes: not for a client gone
-                self._prefilling = None
-                ticket.fail(Cancelled("the client went away while the prompt was prefilled"))
-                ticket = None
             if ticket is not None and not (size and self.stall_bound):
                 self._prefill_chunk(ticket, limit)
                 ticket = None

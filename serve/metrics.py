@@ -27,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from ds4jax.continuation.types import CacheSource, Decision
 from ds4jax.decoding import Result
-from ds4jax.engine import Cancelled
+from serve.worker import Cancelled
 
 # `*_created` samples double every series and no dashboard reads them (vLLM drops them too)
 prometheus_client.disable_created_metrics()
@@ -169,7 +169,7 @@ class ServerMetrics:
         """A request's end: its histograms once, if the engine served it (a refused one is
         counted by `rejected`, in the app)."""
         if isinstance(result, Exception):
-            if isinstance(result, Cancelled):  # its client left before a token
+            if isinstance(result, Cancelled):  # its client left while it was queued
                 self.requests.labels(self.model_name, _api(job), "cancelled").inc()
             return
         assert isinstance(result, Result)

@@ -27,13 +27,17 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ds4jax.continuation.types import Decision
-from ds4jax.engine import Cancelled, Engine, Prepared, Ticket
+from ds4jax.engine import Engine, Prepared, Ticket
 
 log = logging.getLogger("ds4jax.serve")
 
 
 class Overloaded(RuntimeError):
     pass
+
+
+class Cancelled(RuntimeError):
+    """A job whose client left while it was still queued: never handed to the engine."""
 
 
 @dataclass

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from ds4jax.chat.anthropic import parse_messages_request
 from ds4jax.continuation.types import CacheSource
-from ds4jax.engine import Cancelled, Engine, SamplingParams, Ticket
+from ds4jax.engine import Engine, SamplingParams, Ticket
 from ds4jax.interleave import chunk_limit
 from tests.continuation.conftest import TOOLS, forced, tool_call_text
 
@@ -151,37 +151,6 @@ def test_a_prompt_that_arrives_while_rows_decode_rides_in_their_steps(batch_engi
     stop.set()
     while engine.busy:
         engine.tick()
-
-
-def test_a_prompt_whose_client_left_stops_prefilling(batch_engine) -> None:
-    """A cancelled request is dropped at the next step even mid-prompt (a bounded prefill
-    under load can take minutes): it fails with `Cancelled`, its session keeps no state of
-    it, and the decoding row goes on."""
-    e = batch_engine
-    engine = Engine(e.cfg, e.params, e.tokenizer, max_len=e.max_len, chunk_sizes=(4, 16, 64),
-                    sessions=6, fork_points=True, max_batch=4, stall_bound=2.0)  # fmt: skip
-    fresh(engine)
-    stop_short = threading.Event()
-    short = engine.submit(prepared(engine, "Tell a story.", 200), cancel=stop_short)
-    while active_rows(engine) == 0:
-        engine.tick()
-    gone = threading.Event()
-    long_text = " ".join(f"Rule {i}: keep the tree tidy." for i in range(40))
-    long = engine.submit(prepared(engine, long_text, 6), cancel=gone)
-    for _ in range(3):
-        engine.tick()
-    assert long.tokens and 0 < long.done_tokens < len(long.tokens)  # mid-prompt
-    slot = long.session.slot
-    gone.set()
-    before = len(short.decoder.generated)
-    engine.tick()
-    assert isinstance(long.error, Cancelled) and long.finished.is_set()
-    assert engine._prefilling is None and engine.pool.sessions[slot].live is None
-    assert len(short.decoder.generated) == before + 1  # the row stepped on
-    stop_short.set()
-    while engine.busy:
-        engine.tick()
-    assert short.error is None and short.result.finish == "cancelled"
 
 
 def test_a_cancelled_row_leaves_and_the_others_go_on(batch_engine) -> None:
