@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.batching import _prepared as _request
 from bench.report import write_json
 
 STREAMS = 4
@@ -47,15 +48,6 @@ def _engine(name: str, max_len: int, stall: float | None):
     cfg = load_config(name)
     return Engine(cfg, init_params(cfg, 0), V4Tokenizer(), max_len=max_len, chunk_sizes=CHUNKS,
                   sessions=STREAMS + 2, max_batch=8, stall_bound=stall)  # fmt: skip
-
-
-def _request(engine, text: str, max_tokens: int):
-    from ds4jax.chat.anthropic import parse_messages_request
-    from ds4jax.engine import SamplingParams
-
-    body = {"messages": [{"role": "user", "content": text}], "thinking": {"type": "disabled"}}
-    return engine.prepare_request(parse_messages_request(body), max_tokens=max_tokens,
-                                  sampling=SamplingParams(temperature=0.0))  # fmt: skip
 
 
 def _long_text(tokenizer, tokens: int) -> str:

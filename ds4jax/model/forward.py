@@ -96,11 +96,12 @@ def run_layers(
     return X, layers
 
 
-#: the batched decode steps' row counts (`model.batch.BATCH_SIZES` past 1) whose head is a
-#: multiply-and-reduce on CPU: measured side by side (both programs in one process, steps
-#: alternated, two runs), a bench-192m step at B=4 took 21.7 / 28.6 ms against 26.1 / 33.5
-#: with the GEMM, B=8 44.3 / 38.1 against 51.5 / 43.8; one row's GEMV already reads the
-#: weight once, and longer chunks are compute-bound GEMMs
+#: the batched decode steps' row counts (`model.batch.BATCH_SIZES` past 1, plus the one
+#: row of a prompt chunk riding in a mixed step) whose head is a multiply-and-reduce on CPU:
+#: measured side by side (both programs in one process, steps alternated, two runs), a
+#: bench-192m step at B=4 took 21.7 / 28.6 ms against 26.1 / 33.5 with the GEMM, B=8
+#: 44.3 / 38.1 against 51.5 / 43.8; one row's GEMV already reads the weight once, and
+#: longer chunks are compute-bound GEMMs
 HEAD_REDUCE_ROWS = 9
 
 
