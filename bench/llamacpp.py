@@ -19,8 +19,11 @@ side in one run, on the same cores.
   `quant_sim` off; the on figure is reported beside it.
 * **Speed.** `llama-bench -t 2 -p 512,2048,8192 -n 32 -r 2` on each GGUF, and ds4jax's
   prefill of the same lengths and 32 greedy steps of the server's batched step at size 1
-  (`quant_sim` off: the same math); the summary gains ds4jax / llama.cpp for each prefill
-  size and for decode.
+  (`quant_sim` off: the same math), twice: all f32 (beside "all F32") and with
+  `--weights fp4-experts` (the routed experts resident in the release's FP4, two codes per
+  byte, the rest f32: beside "as converted", as many weight bits per token). The summary
+  gains ds4jax / llama.cpp for each prefill size and for decode, each pair like for like
+  (`OURS`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,14 @@ HERE = Path(__file__).resolve().parent / "llamacpp"
 PREFILL = (512, 2048, 8192)
 DECODE = 32
 THREADS = 2
+#: which of ds4jax's figures each llama.cpp GGUF is set beside: the same weight bits per token
+OURS = {"all_f32": "ds4jax_tok_s", "as_converted": "ds4jax_fp4_experts_tok_s"}
+
+
+def ours_for(rep: dict[str, Any], variant: str) -> dict[str, float]:
+    """ds4jax's tok/s to divide llama.cpp `variant`'s by (f32 in a report older than
+    `fp4-experts`)."""
+    return rep.get(OURS.get(variant, ""), rep.get("ds4jax_tok_s", {}))
 
 
 def _run(cmd: list[str], log: Path, **kw: Any) -> None:
@@ -281,11 +292,15 @@ def main(quick: bool = False, cfg_name: str = "bench-192m", seed: int = 0) -> di
         # the same math as llama.cpp: no FP8 KV / FP4 indexer simulation on either side
         out["ds4jax_tok_s"] = ds4jax_speed(cfg.replace(quant_sim=False), params, sizes)
         print(f"ds4jax: {out['ds4jax_tok_s']}", flush=True)
+        del params
+        _, fp4, _, _ = load_model(str(release), weights="fp4-experts")
+        out["ds4jax_fp4_experts_tok_s"] = ds4jax_speed(cfg.replace(quant_sim=False), fp4, sizes)
+        print(f"ds4jax fp4-experts: {out['ds4jax_fp4_experts_tok_s']}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     out["ratios"] = {
-        name: {k: round(out["ds4jax_tok_s"][k] / v, 3) for k, v in theirs.items()
-               if k in out["ds4jax_tok_s"] and v and not math.isnan(v)}
+        name: {k: round(ours_for(out, name)[k] / v, 3) for k, v in theirs.items()
+               if k in ours_for(out, name) and v and not math.isnan(v)}
         for name, theirs in out["llama_cpp_tok_s"].items()
     }  # fmt: skip
     print(f"ds4jax / llama.cpp: {out['ratios']}", flush=True)

@@ -244,11 +244,16 @@ def batching_latency_rows(rep: Row) -> list[Row]:
 
 
 def llamacpp_rows(rep: Row) -> list[Row]:
-    """One row per (engine, test): tokens/s, and the ratio to ds4jax's."""
-    ours = rep.get("ds4jax_tok_s", {})
-    rows = [{"engine": "ds4jax", "test": k, "tok_per_s": v, "ds4jax_over_this": 1.0}
-            for k, v in ours.items()]  # fmt: skip
+    """One row per (engine, test): tokens/s, and the ratio to ds4jax's (like for like:
+    `bench.llamacpp.OURS`)."""
+    from bench.llamacpp import ours_for
+
+    rows = [{"engine": engine, "test": k, "tok_per_s": v, "ds4jax_over_this": 1.0}
+            for engine, key in (("ds4jax", "ds4jax_tok_s"),
+                                ("ds4jax fp4-experts", "ds4jax_fp4_experts_tok_s"))
+            for k, v in rep.get(key, {}).items()]  # fmt: skip
     for variant, theirs in rep.get("llama_cpp_tok_s", {}).items():
+        ours = ours_for(rep, variant)
         for k, v in theirs.items():
             ratio = ours[k] / v if k in ours and v else None
             rows.append({"engine": f"llama.cpp {variant}", "test": k, "tok_per_s": v,

@@ -225,9 +225,11 @@ def responses(rep: Row) -> list[Row]:
 
 
 def llamacpp(rep: Row) -> list[Row]:
-    ours = rep.get("ds4jax_tok_s", {})
+    from bench.llamacpp import ours_for
+
     out = []
     for variant, theirs in rep.get("llama_cpp_tok_s", {}).items():
+        ours = ours_for(rep, variant)
         for k, v in theirs.items():
             if k in ours:
                 what = f"prefill {k[2:]} tokens" if k.startswith("pp") else f"decode {k[2:]} tokens"

@@ -216,9 +216,10 @@ def add_weights(sp: argparse.ArgumentParser) -> None:
     # the names `checkpoint.WEIGHTS` maps (not imported here: it loads Orbax, whose import
     # takes over logging before `serve` configures it)
     sp.add_argument(
-        "--weights", choices=["f32", "bf16", "fp8"], default="f32",
-        help="f32 (default), bf16 (both dequantize a release at load), or fp8: the official "
-        "release's FP8 linears and FP4 experts stay so on device, expanded inside the step",
+        "--weights", choices=["f32", "bf16", "fp8", "fp4-experts"], default="f32",
+        help="f32 (default), bf16 (both dequantize a release at load), fp8: the official "
+        "release's FP8 linears and FP4 experts stay so on device, expanded inside the step, "
+        "or fp4-experts: only the routed experts stay FP4 (two per byte), the rest f32",
     )  # fmt: skip
 
 
@@ -329,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--hbm-gb", type=float, required=True, help="memory per device, GB")
     sp.add_argument("--ctx", type=int, default=8192, help="context per session (serve --ctx)")
     sp.add_argument("--sessions", type=int, default=4, help="serve --sessions")
-    sp.add_argument("--weights", choices=["fp8", "bf16", "f32"], default="fp8")
+    sp.add_argument("--weights", choices=["fp8", "bf16", "f32", "fp4-experts"],
+                    default="fp8")  # fmt: skip
     sp.add_argument("--max-batch", type=int, default=8, help="serve --max-batch")
     sp.add_argument(
         "--reserve",

@@ -6,7 +6,8 @@ Nothing is allocated: parameter shapes come from `param_shapes`, per-device shar
 same sharding rules `shard_params` applies (`sharding.mesh_axes`), state sizes from
 `state.capacity_bytes`. Weights are counted as `--weights` stores them on device: `f32`,
 `bf16`, or `fp8` — the release's own formats kept resident (FP8 E4M3 linears with their
-128×128 E8M0 block scales, FP4 E2M1 routed experts with per-32 scales, the rest bf16).
+128×128 E8M0 block scales, FP4 E2M1 routed experts with per-32 scales, the rest bf16), or
+`fp4-experts` — the FP4 experts kept so, the rest f32.
 States are counted as the engine keeps them today: f32, replicated on every device — each
 session's live frontier and fork points under the default state budget (two states per
 session), the batch's `max_batch` rows, and the engine's empty template state. A
@@ -37,7 +38,7 @@ from ds4jax.model.params import param_shapes, path_name
 from ds4jax.model.sharding import EXPERT_AXIS, TENSOR_AXIS, mesh_axes
 from ds4jax.model.state import capacity_bytes
 
-WEIGHTS = ("fp8", "bf16", "f32")
+WEIGHTS = ("fp8", "bf16", "f32", "fp4-experts")
 STATES_PER_SESSION = 2  # serve's default --state-budget-mb: a live frontier + a fork point
 GB = 1e9
 
@@ -53,7 +54,7 @@ def weight_bytes_per_device(cfg: Config, expert: int, tensor: int, weights: str)
         kind = leaf_kind(name)
         if kind == "int":
             total += 4 * math.prod(shard)
-        elif weights == "fp8":
+        elif weights == "fp8" or (weights == "fp4-experts" and kind == "fp4"):
             total += stored_bytes(kind, shard)
         else:
             total += (2 if weights == "bf16" else 4) * math.prod(shard)

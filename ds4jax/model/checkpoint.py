@@ -15,6 +15,7 @@ renames on commit, so an interrupted save never looks like a checkpoint.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -159,15 +160,17 @@ def detect_layout(directory: str | Path) -> str:
 
 
 def load_any(
-    src: str | Path, dtype: Any = jnp.bfloat16, shardings: Any = None, resident: bool = False
-) -> tuple[Config, Params]:
-    """(config, params) from any supported layout (see `detect_layout`). `resident`: keep
-    FP8/FP4 tensors in their formats (`model.quantized`; the official layout only)."""
+    src: str | Path, dtype: Any = jnp.bfloat16, shardings: Any = None,
+    resident: Collection[str] = (),
+) -> tuple[Config, Params]:  # fmt: skip
+    """(config, params) from any supported layout (see `detect_layout`). `resident`: the
+    kinds ("fp8", "fp4") kept in their formats (`model.quantized`; the official layout
+    only)."""
     layout = detect_layout(src)
     if resident and layout != "official":
         raise CheckpointError(
-            f"{src}: --weights fp8 keeps the release's FP8/FP4 tensors on device; it needs a "
-            f"checkpoint in the official layout, not {layout}"
+            f"{src}: --weights {'/'.join(sorted(resident))} keeps the release's quantized "
+            f"tensors on device; it needs a checkpoint in the official layout, not {layout}"
         )
     if layout == "orbax":
         return restore_params(src, shardings, dtype)
@@ -237,7 +240,13 @@ def resolve_model_dir(
 
 
 #: `--weights` → the dtype of what is not kept quantized
-WEIGHTS: dict[str, Any] = {"f32": jnp.float32, "bf16": jnp.bfloat16, "fp8": jnp.bfloat16}
+WEIGHTS: dict[str, Any] = {"f32": jnp.float32, "bf16": jnp.bfloat16, "fp8": jnp.bfloat16,
+                           "fp4-experts": jnp.float32}  # fmt: skip
+#: `--weights` → the release's quantized kinds kept so on device (`model.quantized`):
+#: `fp4-experts` holds the routed experts in as many bits as llama.cpp's MXFP4 GGUF, the
+#: rest f32 (issue 27's like-for-like comparison on CPU)
+RESIDENT: dict[str, frozenset[str]] = {"fp8": frozenset({"fp8", "fp4"}),
+                                        "fp4-experts": frozenset({"fp4"})}  # fmt: skip
 
 
 def load_model(
@@ -258,9 +267,10 @@ def load_model(
     the official V4 tokenizer), or a named config with random weights.
     `attention_impl` overrides the config's (xla / pallas / auto). `shardings`: where the
     params go, as `restore_params` takes it (`model.sharding.Placement` for a `--mesh`).
-    `weights` (`WEIGHTS`, overrides `dtype`): f32, bf16, or fp8 — the release's FP8/FP4
-    tensors kept as they are on device, the rest bf16."""
-    resident = weights == "fp8"
+    `weights` (`WEIGHTS`, overrides `dtype`): f32, bf16, fp8 — the release's FP8/FP4
+    tensors kept as they are on device, the rest bf16 — or fp4-experts — the routed experts
+    kept in FP4, the rest f32."""
+    resident = RESIDENT.get(weights or "", frozenset())
     if weights is not None:
         if weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {sorted(WEIGHTS)}, not {weights!r}")
@@ -279,7 +289,7 @@ def _load(
     seed: int,
     dtype: Any,
     shardings: Any,
-    resident: bool = False,
+    resident: Collection[str] = (),
     revision: str | None = None,
     download_dir: str | None = None,
 ) -> tuple[Config, Params, Tokenizer, str]:
@@ -295,7 +305,8 @@ def _load(
     if config is None:
         raise ValueError("name a model or a config")
     if resident:
-        raise ValueError("--weights fp8 needs a checkpoint in the official layout (--model)")
+        raise ValueError("--weights fp8 / fp4-experts needs a checkpoint in the official "
+                         "layout (--model)")  # fmt: skip
     cfg = load_config(config)
     params = _placed(init_params(cfg, seed=seed, dtype=dtype), cfg, shardings)
     what = (

@@ -17,7 +17,7 @@ from ds4jax import pallas_kernels
 from ds4jax.config import Config
 from ds4jax.model import quant_sim
 from ds4jax.model.pages import decode_index_rows, decode_rows, encode_index_rows, encode_rows
-from ds4jax.model.quantized import dequantize, expert
+from ds4jax.model.quantized import dequantize, expert, matmul
 from ds4jax.model.rope import apply_rope, inv_freqs
 from ds4jax.model.state import LayerState
 
@@ -26,8 +26,8 @@ NEG_INF = -jnp.inf
 
 
 def linear(x: jax.Array, w: Any) -> jax.Array:
-    """x @ wᵀ; a resident FP8 weight (`model.quantized`) is expanded here, at its use."""
-    return jnp.einsum("...i,oi->...o", x, dequantize(w, x.dtype))
+    """x @ wᵀ; a resident FP8/FP4 weight (`model.quantized`) is expanded here, at its use."""
+    return matmul(x, w)
 
 
 def rms(x: jax.Array, eps: float) -> jax.Array:
@@ -340,7 +340,7 @@ def _moe_selected_once(cfg: Config, p: Params, x: jax.Array, sel: jax.Array, w: 
     first = jnp.concatenate([jnp.array([True]), experts[1:] != experts[:-1]])
 
     def add(e: jax.Array, acc: jax.Array) -> jax.Array:
-        w1, w3, w2 = (expert(p[n], e, x.dtype) for n in ("w1", "w3", "w2"))
+        w1, w3, w2 = (expert(p[n], e) for n in ("w1", "w3", "w2"))
         h = _swiglu(cfg, linear(x, w1), linear(x, w3)) * dense_w[:, e][:, None]
         return acc + linear(h, w2)
 
@@ -386,7 +386,7 @@ def _moe_grouped(cfg: Config, p: Params, x: jax.Array, sel: jax.Array, w: jax.Ar
     weight = weight.reshape(NB, Bk, 1)
 
     def block(b: jax.Array, out: jax.Array) -> jax.Array:
-        w1, w3, w2 = (expert(p[n], block_expert[b], x.dtype) for n in ("w1", "w3", "w2"))
+        w1, w3, w2 = (expert(p[n], block_expert[b]) for n in ("w1", "w3", "w2"))
         h = _swiglu(cfg, linear(xs[b], w1), linear(xs[b], w3)) * weight[b]
         return out.at[b].set(linear(h, w2))
 
@@ -416,9 +416,9 @@ def moe(
 
             def add(j: jax.Array, acc: jax.Array, t: int = t) -> jax.Array:
                 e = sel[t, j]
-                w1, w3, w2 = (expert(p[n], e, x.dtype) for n in ("w1", "w3", "w2"))
-                h = _swiglu(cfg, w1 @ x[t], w3 @ x[t])
-                return acc + w[t, j] * (w2 @ h)
+                w1, w3, w2 = (expert(p[n], e) for n in ("w1", "w3", "w2"))
+                h = _swiglu(cfg, linear(x[t], w1), linear(x[t], w3))
+                return acc + w[t, j] * linear(h, w2)
 
             # a loop, not k unrolled bodies: XLA:CPU then reads the selected expert in place;
             # unrolled, each dynamic slice was copied out first (6x the time, bench notes)

@@ -21,8 +21,9 @@ Format (as read and as written here):
 
 Weights are **dequantized at load** by default: kept in bf16 (or f32) on device. The
 dequantization is exact in bf16 (an FP8/FP4 value times a power of two has at most 4
-significant bits), so loading in bf16 loses nothing relative to f32. With `resident=True`
-(`--weights fp8`) the FP8/FP4 tensors stay so on device instead (`model.quantized`).
+significant bits), so loading in bf16 loses nothing relative to f32. With `resident`
+naming "fp8" and/or "fp4" (`--weights fp8`: both; `--weights fp4-experts`: the routed
+experts) those tensors stay so on device instead (`model.quantized`).
 
 Quantization choices of the writer (used by tests and tooling, not needed to serve): the
 scale of a block is the smallest power of two that keeps every element representable,
@@ -36,6 +37,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -312,7 +314,7 @@ class OfficialReader:
         dtype: Any,
         block: tuple[int, int] = FP8_BLOCK,
         workers: int | None = None,
-        resident: bool = False,
+        resident: Collection[str] = (),
     ) -> None:
         self.src, self.out_dtype, self.block = src, np.dtype(dtype), block
         self.resident = resident
@@ -354,14 +356,14 @@ class OfficialReader:
         return self.load(name)
 
     def load(self, name: str) -> Any:
-        """One tensor, dequantized and cast — or, `resident`, an FP8/FP4 one as a
-        `quantized.QWeight` (does not mark anything used)."""
+        """One tensor, dequantized and cast — or, where its kind ("fp8", "fp4") is
+        `resident`, as a `quantized.QWeight` (does not mark anything used)."""
         src = self.src
         a = read_tensor(src.info(name), name)
         sname = scale_name(name)
         if sname is not None and sname in src:
             s = read_tensor(src.info(sname), sname)
-            if self.resident:
+            if ("fp8" if a.dtype == _FP8 else "fp4") in self.resident:
                 return _resident(a, s, self.block, name)
             if a.dtype == _FP8:
                 w = dequantize_fp8(a, s, self.block, what=name)
@@ -391,8 +393,7 @@ def _resident(a: np.ndarray, scale: np.ndarray, block: tuple[int, int], what: st
         return QWeight(a, _exponents(scale, what), block)
     if a.dtype in (np.dtype(np.int8), np.dtype(np.uint8)):
         _check_fp4(a, scale, FP4_BLOCK, what)
-        codes = unpack_fp4(a).view(ml_dtypes.float4_e2m1fn)
-        return QWeight(codes, _exponents(scale, what), (1, FP4_BLOCK))
+        return QWeight(a.view(np.uint8), _exponents(scale, what), (1, FP4_BLOCK))
     raise CheckpointError(f"{what}: dtype {a.dtype} with a .scale is not FP8/FP4")
 
 
@@ -414,15 +415,16 @@ def load_official_checkpoint(
     *,
     quant_sim: bool | None = None,
     workers: int | None = None,
-    resident: bool = False,
+    resident: Collection[str] = (),
 ) -> tuple[Config, Params]:
     """An official release directory → (config, params), dequantized at load to `dtype`.
 
     `cfg` defaults to `load_config(directory)`; `quant_sim` overrides its flag (the release's
     own graph simulates FP8 KV and the FP4 indexer, transformers' reading does not).
     `workers`: threads dequantizing routed experts ahead (default min(8, CPUs); 1 = none).
-    `resident`: FP8 and FP4 tensors stay in their formats (`model.quantized.QWeight`,
-    `--weights fp8`), expanded inside the step; the rest is `dtype`.
+    `resident`: the kinds ("fp8", "fp4") that stay in their formats
+    (`model.quantized.QWeight`, `--weights fp8` / `fp4-experts`), expanded inside the step;
+    the rest is `dtype`.
     Any missing, unknown, mis-shaped or malformed tensor is a `CheckpointError` naming it."""
     directory = Path(directory)
     cfg = cfg or load_config(directory)

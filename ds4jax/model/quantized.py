@@ -3,14 +3,18 @@
 The official release stores its linears as FP8 E4M3 with one power-of-two scale per 128×128
 block and its routed experts as FP4 E2M1 with one per 32 inputs (`model.official`). Expanded
 to bf16 at load they take twice (FP8) to four times (FP4) the device memory; here they stay
-as they are — `float8_e4m3fn` / `float4_e2m1fn` values and E8M0 exponent bytes — and are
-expanded inside the jitted step, one layer at a time, where they are used. The expansion is
-exact in float32 (a value of at most 4 significant bits times a power of two), so logits
-equal the dequantize-at-load path up to the order of float32 operations.
+as they are — `float8_e4m3fn` values, FP4 codes packed two per byte as the release packs
+them, and E8M0 exponent bytes — and are expanded inside the jitted step where they are used.
+The expansion is exact in float32 (a value of at most 4 significant bits times a power of
+two), so logits equal the dequantize-at-load path up to the order of float32 operations.
+
+FP4 stays packed in plain `uint8` rather than a 4-bit dtype: XLA:CPU stores a sub-byte dtype
+one per byte, and its conversion from `float4_e2m1fn` ran the bench-192m decode step 7×
+slower than f32 (issue 27). The codes are decoded with integer ops and a bitcast, which fuse
+into the product on every backend (`matmul`).
 
 A `QWeight` is a pytree node (its arrays are leaves), so params holding them jit, shard and
-donate like any other. Where a sub-byte dtype is stored one per byte (XLA:CPU does), FP4
-takes as many bytes as FP8.
+donate like any other.
 """
 
 from __future__ import annotations
@@ -28,17 +32,23 @@ E8M0_BIAS = 127
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class QWeight:
-    """Values [..., out, in] and E8M0 exponents [..., out/block[0], in/block[1]] (uint8,
-    scale = 2^(e−127)); `block`: the elements one scale covers, along out and in (FP8:
-    128×128, FP4: 1×32). Leading dims (experts) index both alike."""
+    """Values [..., out, in] (FP8), or FP4 codes packed two per byte [..., out, in/2] (uint8,
+    the low nibble the even column: `packed`), and E8M0 exponents [..., out/block[0],
+    in/block[1]] (uint8, scale = 2^(e−127)); `block`: the elements one scale covers, along
+    out and in (FP8: 128×128, FP4: 1×32). Leading dims (experts) index both alike."""
 
     q: Any
     exp: Any
     block: tuple[int, int] = field(metadata={"static": True})
 
     @property
+    def packed(self) -> bool:
+        return self.q.dtype == jnp.uint8
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.q.shape)
+        *lead, i = self.q.shape
+        return (*lead, 2 * i) if self.packed else (*lead, i)
 
     @property
     def nbytes(self) -> int:
@@ -49,25 +59,62 @@ def is_quantized(x: Any) -> bool:
     return isinstance(x, QWeight)
 
 
+def _scales(w: QWeight) -> jax.Array:
+    return jnp.ldexp(jnp.float32(1.0), w.exp.astype(jnp.int32) - E8M0_BIAS)
+
+
+def e2m1(codes: jax.Array) -> jax.Array:
+    """FP4 E2M1 codes (0…15, any integer dtype) → float32, by building the float's bits:
+    magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 the sign."""
+    c = codes.astype(jnp.uint32)
+    mag = c & 7
+    normal = (((mag >> 1) + 126) << 23) | ((mag & 1) << 22)  # (1 + m/2)·2^(e−1), e ≥ 1
+    bits = jnp.where(mag < 2, mag * jnp.uint32(0x3F000000), normal)  # 0 and 0.5 (subnormal)
+    return jax.lax.bitcast_convert_type(bits | ((c & 8) << 28), jnp.float32)
+
+
+def _fp4_halves(w: QWeight) -> tuple[jax.Array, jax.Array]:
+    """A packed FP4 weight's even and odd input columns, scaled: two [..., out, in/2]."""
+    *lead, o, h = w.q.shape
+    bi = w.block[1]
+    scale = _scales(w)[..., None]  # [..., out, in/bi, 1]: a block is bi/2 bytes of each half
+
+    def half(codes: jax.Array) -> jax.Array:
+        return (e2m1(codes).reshape(*lead, o, h * 2 // bi, bi // 2) * scale).reshape(*lead, o, h)
+
+    return half(w.q & 0x0F), half(w.q >> 4)
+
+
 def dequantize(w: Any, dtype: Any = jnp.float32) -> jax.Array:
     """A `QWeight` as a dense array of `dtype` (anything else is returned as it is); partial
     edge blocks are cut to the weight's shape."""
     if not isinstance(w, QWeight):
         return w
+    if w.packed:
+        even, odd = _fp4_halves(w)
+        return jnp.stack([even, odd], axis=-1).reshape(w.shape).astype(dtype)
     o, i = w.q.shape[-2:]
     bo, bi = w.block
-    scale = jnp.ldexp(jnp.float32(1.0), w.exp.astype(jnp.int32) - E8M0_BIAS)
-    scale = jnp.repeat(jnp.repeat(scale, bo, axis=-2)[..., :o, :], bi, axis=-1)[..., :i]
+    scale = jnp.repeat(jnp.repeat(_scales(w), bo, axis=-2)[..., :o, :], bi, axis=-1)[..., :i]
     return (w.q.astype(jnp.float32) * scale).astype(dtype)
 
 
-def expert(w: Any, e: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
-    """Expert `e` of stacked expert weights [E, out, in], dense: only that expert's values
-    are read and expanded."""
-    if isinstance(w, QWeight):
-        pick = lambda a: jax.lax.dynamic_index_in_dim(a, e, 0, keepdims=False)  # noqa: E731
-        return dequantize(QWeight(pick(w.q), pick(w.exp), w.block), dtype)
-    return jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False)
+def matmul(x: jax.Array, w: Any) -> jax.Array:
+    """x [..., in] @ wᵀ for a weight [out, in], dense or a `QWeight`. Packed FP4 is never
+    interleaved back: its even and odd columns meet x's even and odd inputs in two products
+    (the interleave alone cost 10× the product on XLA:CPU)."""
+    if isinstance(w, QWeight) and w.packed:
+        even, odd = _fp4_halves(w)
+        return (jnp.einsum("...i,oi->...o", x[..., 0::2], even.astype(x.dtype))
+                + jnp.einsum("...i,oi->...o", x[..., 1::2], odd.astype(x.dtype)))  # fmt: skip
+    return jnp.einsum("...i,oi->...o", x, dequantize(w, x.dtype))
+
+
+def expert(w: Any, e: jax.Array) -> Any:
+    """Expert `e` of stacked expert weights [E, out, in], as stored: only that expert's
+    values are read (and expanded where `matmul` uses them)."""
+    pick = lambda a: jax.lax.dynamic_index_in_dim(a, e, 0, keepdims=False)  # noqa: E731
+    return QWeight(pick(w.q), pick(w.exp), w.block) if isinstance(w, QWeight) else pick(w)
 
 
 def dense(tree: Any, dtype: Any = jnp.float32, keep: frozenset[str] = frozenset()) -> Any:

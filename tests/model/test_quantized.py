@@ -20,8 +20,8 @@ from ds4jax.model import official
 from ds4jax.model.checkpoint import load_model
 from ds4jax.model.forward import decode_step, prefill
 from ds4jax.model.loading import CheckpointError
-from ds4jax.model.params import init_params
-from ds4jax.model.quantized import QWeight, dequantize, device_bytes, is_quantized
+from ds4jax.model.params import init_params, path_name
+from ds4jax.model.quantized import QWeight, dequantize, device_bytes, e2m1, is_quantized, matmul
 from ds4jax.model.state import init_state
 from tests.model.conftest import small_config
 
@@ -39,7 +39,7 @@ def release(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def both(release: Path) -> tuple:
     _, at_load = official.load_official_checkpoint(release, CFG, dtype=jnp.bfloat16)
     _, resident = official.load_official_checkpoint(release, CFG, dtype=jnp.bfloat16,
-                                                    resident=True)  # fmt: skip
+                                                    resident={"fp8", "fp4"})  # fmt: skip
     return at_load, resident
 
 
@@ -48,17 +48,20 @@ def test_fp8_and_fp4_tensors_stay_in_their_formats(both: tuple) -> None:
     layer = resident["layers"][0]
     assert layer["attn"]["wq_a"].q.dtype == jnp.float8_e4m3fn
     assert layer["attn"]["wq_a"].block == official.FP8_BLOCK
-    assert layer["ffn"]["w1"].q.dtype == jnp.float4_e2m1fn
-    assert layer["ffn"]["w1"].block == (1, official.FP4_BLOCK)
+    w1 = layer["ffn"]["w1"]
+    assert w1.packed and w1.q.dtype == jnp.uint8  # two codes per byte, on every backend
+    assert w1.shape == at_load["layers"][0]["ffn"]["w1"].shape
+    assert w1.block == (1, official.FP4_BLOCK)
     assert is_quantized(resident["head"]) and not is_quantized(resident["embed"])
-    quantized = [w for w in jax.tree.leaves(resident, is_leaf=is_quantized) if is_quantized(w)]
-    q_bytes = sum(w.nbytes for w in quantized)
-    bf16_bytes = sum(int(np.prod(w.shape)) * 2 for w in quantized)
-    # one byte per value (FP4 too, where the platform stores a sub-byte dtype per byte) and
-    # one exponent byte per block: about half of bf16
-    assert 0.5 < q_bytes / bf16_bytes < 0.52, q_bytes / bf16_bytes
+    leaves = jax.tree_util.tree_leaves_with_path(resident, is_leaf=is_quantized)
+    quantized = [(path_name(k), w) for k, w in leaves if is_quantized(w)]
+    # exactly the release's own bytes: FP8 one per value, FP4 one per two, E8M0 scales
+    for name, w in quantized:
+        assert w.nbytes == official.stored_bytes(official.leaf_kind(name, True), w.shape), name
+    q_bytes = sum(w.nbytes for _, w in quantized)
+    bf16_bytes = sum(int(np.prod(w.shape)) * 2 for _, w in quantized)
     total, dense_total = (sum(device_bytes(p).values()) for p in (resident, at_load))
-    assert total < dense_total - 0.45 * bf16_bytes
+    assert total == dense_total - bf16_bytes + q_bytes
 
 
 rows_step = jax.jit(lambda p, b, t: batch_ops.forward_rows(p, b, t, CFG)[0])
@@ -86,9 +89,43 @@ def test_dequantize_matches_the_numpy_reader_on_partial_blocks() -> None:
     got = dequantize(QWeight(jnp.asarray(q), jnp.asarray(s.view(np.uint8)), official.FP8_BLOCK))
     np.testing.assert_array_equal(np.asarray(got), official.dequantize_fp8(q, s))
     packed, s4 = official.quantize_fp4(w[:, :256])
-    codes = official.unpack_fp4(packed).view(ml_dtypes.float4_e2m1fn)
-    got4 = dequantize(QWeight(jnp.asarray(codes), jnp.asarray(s4.view(np.uint8)), (1, 32)))
-    np.testing.assert_array_equal(np.asarray(got4), official.dequantize_fp4(packed, s4))
+    q4 = QWeight(jnp.asarray(packed.view(np.uint8)), jnp.asarray(s4.view(np.uint8)), (1, 32))
+    want = official.dequantize_fp4(packed, s4)
+    np.testing.assert_array_equal(np.asarray(dequantize(q4)), want)
+    # the product never interleaves the codes back: even and odd columns apart
+    x = rng.normal(size=(3, 256)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(matmul(jnp.asarray(x), q4)), x @ want.T,
+                               rtol=1e-5, atol=1e-4)  # fmt: skip
+
+
+def test_e2m1_decodes_every_code_as_ml_dtypes() -> None:
+    codes = np.arange(16, dtype=np.uint8)
+    want = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(e2m1(jnp.asarray(codes))), want)
+
+
+def test_fp4_experts_keep_only_the_experts_and_give_the_f32_logits(release: Path) -> None:
+    """`--weights fp4-experts` (issue 27: as many expert bits as llama.cpp's MXFP4 GGUF):
+    the routed experts packed, every other weight f32, and the f32 model's logits on every
+    path that reads experts (the prefill's chunk, one decode step, the batched step)."""
+    _, at_load = official.load_official_checkpoint(release, CFG, dtype=jnp.float32)
+    _, fp4 = official.load_official_checkpoint(release, CFG, dtype=jnp.float32,
+                                               resident={"fp4"})  # fmt: skip
+    kept = [path_name(k) for k, w in jax.tree_util.tree_leaves_with_path(fp4, is_leaf=is_quantized)
+            if is_quantized(w)]  # fmt: skip
+    assert kept and all(official.leaf_kind(n) == "fp4" for n in kept)
+    assert fp4["head"].dtype == jnp.float32
+    tokens = list(range(7, 7 + 70))
+    outs = []
+    for params in (at_load, fp4):
+        state, _ = prefill(params, init_state(CFG, 128), tokens, CFG, chunk_sizes=(64,))
+        stepped = decode_step(params, state, jnp.int32(11), CFG)
+        batch = batch_ops.insert(batch_ops.empty_batch(CFG, 128, 2), np.int32(0), state)
+        batch = batch_ops.insert(batch, np.int32(1), stepped)
+        rows = rows_step(params, batch, jnp.array([5, 9], jnp.int32))
+        outs.append([np.asarray(x.logits) for x in (state, stepped, rows)])
+    for a, b in zip(*outs, strict=True):
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max(), np.abs(a - b).max()
 
 
 def test_fp8_needs_the_official_layout(tmp_path: Path) -> None:

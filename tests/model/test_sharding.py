@@ -124,14 +124,19 @@ SCRIPT = textwrap.dedent(
                          num_experts=8, quant_sim=False)
     write_official_checkpoint(init_params(small, 3), small, rel, fp8_head=True)
     open(ids, "w").write(" ".join(str(t) for t in range(3, 40)))
-    for name, weights, spec in (("bf16", "bf16", "none"), ("fp8", "fp8", "expert=2,tensor=4")):
+    # (and --weights fp4-experts: the packed experts split along expert and tensor, the
+    # f32 logits)
+    runs = (("bf16", "bf16", "none"), ("fp8", "fp8", "expert=2,tensor=4"),
+            ("f32", "f32", "none"), ("fp4", "fp4-experts", "expert=2,tensor=4"))
+    for name, weights, spec in runs:
         argv = ["dump-logits", "--model", rel, "--weights", weights, "--tokens", ids,
                 "--quant-sim", "off", "--mesh", spec, "--out", os.path.join(d, name + ".npy")]
         assert cli.main(argv) == 0
-    a, b = (np.load(os.path.join(d, n + ".npy")) for n in ("bf16", "fp8"))
-    ferr = float(np.abs(a - b).max())
-    print("fp8_mesh_err", ferr)
-    assert ferr <= 1e-5, ferr
+    for want, got in (("bf16", "fp8"), ("f32", "fp4")):
+        a, b = (np.load(os.path.join(d, n + ".npy")) for n in (want, got))
+        ferr = float(np.abs(a - b).max())
+        print(got + "_mesh_err", ferr)
+        assert ferr <= 1e-5, ferr
     """
 )
 
@@ -243,7 +248,7 @@ def test_eight_device_mesh_matches_one_device() -> None:
     first, second = outs
     assert "batch_max_err" in first and "data_axis_err" in first and "cli_max_err" in first
     assert "mixed_data_err" in first
-    assert "fp8_mesh_err" in first
+    assert "fp8_mesh_err" in first and "fp4_mesh_err" in first
     assert "engine_max_err" in second and "cross_mesh_restore_err" in second
 
 
