@@ -185,7 +185,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         cfg = load_config(hub.config_file(args.config, args.revision, args.download_dir))
     kw = dict(devices=args.devices, hbm_gb=args.hbm_gb, ctx=args.ctx, sessions=args.sessions,
               weights=args.weights, max_batch=args.max_batch, reserve=args.reserve,
-              paged=args.paged_state)  # fmt: skip
+              paged=args.paged_state, data_parallel=args.data_parallel)  # fmt: skip
     plans = plan(cfg, **kw)
     if args.json:
         print(json.dumps({"config": args.config, **kw, "plans": as_json(plans)}))
@@ -344,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
                     choices=["f32", "bf16", "fp8"], default=None,
                     help="count states as paged state in this dtype holds them (serve "
                     "--paged --state-dtype) instead of fixed-capacity f32 states")  # fmt: skip
+    sp.add_argument("--data-parallel", action="store_true",
+                    help="search data×expert×tensor too: each data shard holding its own "
+                    "sessions, experts over every device (on paper: issue 28)")  # fmt: skip
     add_hub_options(sp)
     sp.set_defaults(func=cmd_plan)
 

@@ -21,6 +21,16 @@ in that dtype); its fork point shares the full pages and adds at most its partia
 a per-session part; batch rows hold no copies, only the per-session parts they move.
 Either way `sessions_fit` is how many sessions of that length (each with its fork point)
 the room left after the weights and the batch holds.
+
+`data_parallel` searches (data, expert, tensor) instead (issue 28): the arrangement V4 is
+served with at scale — each data shard holds its own sessions (their states or pages live
+on its devices only) and its share of the batch rows, attention and shared weights are
+replicated along `data`, and the routed experts are split over every device (expert
+parallelism over data × expert, tokens exchanged all-to-all per MoE layer). So a device
+holds 1/data of the sessions, and the slice's sessions grow with data until the replicated
+weights leave no room. The best arrangement is then the one with the most sessions that
+fit. `ds4jax serve --mesh data=D` does not hold sessions that way yet: it splits the batch's
+rows but replicates states along data, which is what the data = 1 rows count.
 """
 
 from __future__ import annotations
@@ -43,9 +53,11 @@ STATES_PER_SESSION = 2  # serve's default --state-budget-mb: a live frontier + a
 GB = 1e9
 
 
-def weight_bytes_per_device(cfg: Config, expert: int, tensor: int, weights: str) -> int:
-    """Bytes of one device's shard of every parameter on an expert×tensor mesh."""
-    sizes = {EXPERT_AXIS: expert, TENSOR_AXIS: tensor}
+def weight_bytes_per_device(cfg: Config, expert: int, tensor: int, weights: str,
+                            data: int = 1) -> int:  # fmt: skip
+    """Bytes of one device's shard of every parameter on a data×expert×tensor mesh: the
+    routed experts split over data × expert, everything else replicated along data."""
+    sizes = {EXPERT_AXIS: data * expert, TENSOR_AXIS: tensor}
     total = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(param_shapes(cfg)):
         name = path_name(path)
@@ -63,18 +75,28 @@ def weight_bytes_per_device(cfg: Config, expert: int, tensor: int, weights: str)
 
 @dataclass(frozen=True)
 class MeshPlan:
+    """One arrangement, per device: a device of data shard s holds shard s's sessions."""
+
     expert: int
     tensor: int
     weights_bytes: int
-    states_bytes: int  # retained: sessions and fork points
-    batch_bytes: int  # the batch rows and the empty template state
+    states_bytes: int  # retained: its shard's sessions and fork points
+    batch_bytes: int  # its shard's batch rows and the empty template state
     usable_bytes: int
     session_bytes: int = 0  # one more session at the context's length, with its fork point
+    data: int = 1
 
     @property
     def sessions_fit(self) -> int:
+        """Sessions of the context's length the whole slice holds: each data shard's room
+        after the weights and its batch, in sessions, times the shards."""
         room = self.usable_bytes - self.weights_bytes - self.batch_bytes
-        return max(0, room // self.session_bytes) if self.session_bytes else 0
+        return self.data * max(0, room // self.session_bytes) if self.session_bytes else 0
+
+    @property
+    def mesh(self) -> str:
+        head = f"data={self.data}," if self.data > 1 else ""
+        return f"{head}expert={self.expert},tensor={self.tensor}"
 
     @property
     def total_bytes(self) -> int:
@@ -88,33 +110,44 @@ class MeshPlan:
 def plan(
     cfg: Config, *, devices: int, hbm_gb: float, ctx: int, sessions: int, weights: str,
     max_batch: int = 8, reserve: float = 0.1, paged: str | None = None,
+    data_parallel: bool = False,
 ) -> list[MeshPlan]:  # fmt: skip
     """Every expert×tensor factorisation of `devices`, the one it would use first: the
     smallest per-device footprint, then the most expert parallelism (fewer all-reduces).
-    `paged`: count states as paged state in that dtype (module docstring)."""
+    `paged`: count states as paged state in that dtype (module docstring).
+    `data_parallel`: every data×expert×tensor factorisation (data dividing the batch), the
+    one with the most sessions that fit first (then as above)."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}")
     if devices < 1 or sessions < 1 or ctx < 1 or not 0 <= reserve < 1:
         raise ValueError("devices, sessions and ctx must be positive, reserve in [0, 1)")
     if paged is None:
         state = capacity_bytes(cfg, ctx)
-        per_session, batch = STATES_PER_SESSION * state, (max_batch + 1) * state
+        per_session = STATES_PER_SESSION * state
+        batch = lambda rows: (rows + 1) * state  # noqa: E731
     else:
         page, part = pages.page_bytes(cfg, paged), pages.session_bytes(cfg, paged)
         per_session = pages_for(ctx) * page + part + (page + part)  # + its fork point
-        batch = max_batch * part
+        batch = lambda rows: rows * part  # noqa: E731
     usable = int(hbm_gb * GB * (1 - reserve))
     out = []
-    for expert in (d for d in range(1, devices + 1) if devices % d == 0):
-        tensor = devices // expert
-        out.append(MeshPlan(expert, tensor, weight_bytes_per_device(cfg, expert, tensor, weights),
-                            sessions * per_session, batch, usable, per_session))  # fmt: skip
+    divisors = [d for d in range(1, devices + 1) if devices % d == 0]
+    for data in [d for d in divisors if max_batch % d == 0] if data_parallel else [1]:
+        for expert in (d for d in divisors if (devices // data) % d == 0):
+            tensor = devices // (data * expert)
+            out.append(MeshPlan(
+                expert, tensor, weight_bytes_per_device(cfg, expert, tensor, weights, data),
+                -(-sessions // data) * per_session, batch(max_batch // data), usable,
+                per_session, data,
+            ))  # fmt: skip
+    if data_parallel:
+        return sorted(out, key=lambda p: (-p.sessions_fit, p.total_bytes, -p.expert))
     return sorted(out, key=lambda p: (p.total_bytes, -p.expert))
 
 
 def describe(name: str, plans: list[MeshPlan], *, devices: int, hbm_gb: float, ctx: int,
              sessions: int, weights: str, max_batch: int, reserve: float,
-             paged: str | None = None) -> str:  # fmt: skip
+             paged: str | None = None, data_parallel: bool = False) -> str:  # fmt: skip
     best = plans[0]
     gb = lambda b: f"{b / GB:,.2f} GB"  # noqa: E731
     if paged is None:
@@ -131,14 +164,28 @@ def describe(name: str, plans: list[MeshPlan], *, devices: int, hbm_gb: float, c
     lines = [
         f"{name}: {devices} device(s) × {hbm_gb:g} GB, context {ctx:,}, {sessions} "
         f"session(s), weights {weights}, batches of up to {max_batch}, {kind}",
-        f"mesh: expert={best.expert},tensor={best.tensor}",
+        f"mesh: {best.mesh}",
         f"per device: weights {gb(best.weights_bytes)}; session states "
         f"{gb(best.states_bytes)} ({held}); batch {gb(best.batch_bytes)} ({rows}); total "
         f"{gb(best.total_bytes)} of {gb(best.usable_bytes)} usable ({reserve:.0%} reserved)",
         f"fits: {'yes' if best.fits else 'no'}",
-        "",
-        f"expert×tensor   weights/device   total/device   fits   sessions of {ctx:,} that fit",
     ]
+    if data_parallel:
+        lines += [
+            "data > 1: data-parallel attention (each data shard holds its own sessions and "
+            "batch rows; experts split over every device) — on paper: `ds4jax serve --mesh "
+            "data=D` still replicates states along data (issue 28)",
+            "",
+            f"data×expert×tensor   weights/device   total/device   fits   sessions of "
+            f"{ctx:,} that fit",
+        ]
+        for p in plans:
+            lines.append(f"{p.data:>6}×{p.expert}×{p.tensor:<9} {gb(p.weights_bytes):>16} "
+                         f"{gb(p.total_bytes):>14}   {'yes' if p.fits else 'no':<4}   "
+                         f"{p.sessions_fit}")  # fmt: skip
+        return "\n".join(lines)
+    lines += ["", f"expert×tensor   weights/device   total/device   fits   sessions of "
+              f"{ctx:,} that fit"]  # fmt: skip
     for p in plans:
         lines.append(f"{p.expert:>6}×{p.tensor:<6} {gb(p.weights_bytes):>16} "
                      f"{gb(p.total_bytes):>14}   {'yes' if p.fits else 'no':<4}   "
@@ -147,5 +194,5 @@ def describe(name: str, plans: list[MeshPlan], *, devices: int, hbm_gb: float, c
 
 
 def as_json(plans: list[MeshPlan]) -> list[dict[str, object]]:
-    return [{**asdict(p), "total_bytes": p.total_bytes, "fits": p.fits,
+    return [{**asdict(p), "mesh": p.mesh, "total_bytes": p.total_bytes, "fits": p.fits,
              "sessions_fit": p.sessions_fit} for p in plans]  # fmt: skip
