@@ -94,7 +94,8 @@ def test_data_parallel_search_keeps_the_served_rows_and_grows_sessions_with_data
     served = plan(FLASH, **kw)
     searched = plan(FLASH, **kw, data_parallel=True)
     assert [p for p in searched if p.data == 1] == sorted(
-        served, key=lambda p: (-p.sessions_fit, p.total_bytes, -p.expert))
+        served, key=lambda p: (-p.sessions_fit, p.total_bytes, -p.expert)
+    )
     best = searched[0]
     assert best.sessions_fit == max(p.sessions_fit for p in searched) and best.data > 1
     from ds4jax.kvstore.pages import pages_for
