@@ -21,6 +21,7 @@ projections outside it and the MoE see the B tokens together (`forward_rows`).
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -182,7 +183,29 @@ def step(
     return _put(batch, new), tokens, keys, prompt
 
 
-@partial(jax.jit, static_argnames=("cfg", "size", "span"), donate_argnums=(1, 2))
+def by_shard(f: Any, shards: int, pool_pages: int, tables: jax.Array, *trees: Any) -> Any:
+    """`f(local tables, *trees)` run on each of `shards` data shards (issue 28): the pool's
+    pages and the batch's rows split into `shards` equal blocks, shard s holding pool pages
+    [s·P, (s+1)·P) and rows [s·R, (s+1)·R). Tables hold global page ids and the null page
+    0 for padding; each shard sees its own block with local ids (its first page, local 0,
+    is its null page, never handed out). Written as a `vmap` over the shard axis, so with
+    the pool and the rows split along the mesh's `data` axis every gather and scatter of a
+    page stays on the devices holding it: no shard reads another's pages."""
+    if shards == 1:
+        return f(tables, *trees)
+    rows = tables.shape[0] // shards
+    offset = (jnp.arange(tables.shape[0], dtype=tables.dtype) // rows) * (pool_pages // shards)
+    local = jnp.where(tables == 0, 0, tables - offset[:, None])
+    split = lambda x: x.reshape(shards, x.shape[0] // shards, *x.shape[1:])  # noqa: E731
+    out = jax.vmap(f)(split(local), *jax.tree.map(split, trees))
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), out)
+
+
+def pool_pages(arrays: page_io.Arrays) -> int:
+    return next(a.shape[0] for a in jax.tree.leaves(arrays))
+
+
+@partial(jax.jit, static_argnames=("cfg", "size", "span", "shards"), donate_argnums=(1, 2))
 def paged_step(
     params: Params,
     batch: DecodeState,  # the rows' small parts (`page_io.small_part`)
@@ -200,6 +223,7 @@ def paged_step(
     cfg: Config,
     size: int,
     span: int,
+    shards: int = 1,
 ) -> tuple[DecodeState, page_io.Arrays, jax.Array, jax.Array] | tuple[
         DecodeState, page_io.Arrays, jax.Array, jax.Array, DecodeState]:  # fmt: skip
     """`step` for rows whose long part lives in the page pool (issue 26, "batch rows hold
@@ -210,11 +234,26 @@ def paged_step(
     only. The arithmetic is `step`'s on the same dense values (a state's rows are stored
     in its dtype as they are made, so pages give them back exactly): a paged row's tokens
     and state equal a dense row's bit for bit. Returns (small parts, pool, tokens, keys),
-    and with `chunk` the prompt's state after it (as `step`)."""
+    and with `chunk` the prompt's state after it (as `step`).
+
+    `shards` > 1 (issue 28): the pool and the rows are split into that many data shards
+    (`by_shard`), each row's pages in its own shard's block; every shard reads and writes
+    its own pages, and everything after the read — attention per row, the MoE over all the
+    step's tokens, the head — is the same program as with one shard."""
     small = jax.tree.map(lambda x: x[:size], batch)
-    rows = page_io.with_pages(small, arrays, tables, cfg, span)
+    P = pool_pages(arrays)
+    rows = by_shard(lambda t, sm, ar: page_io.with_pages(sm, ar, t, cfg, span), shards, P,
+                    tables, small, arrays)  # fmt: skip
     new, tokens, keys, prompt = _advance(params, rows, override, key_data, temperature, top_k,
                                          top_p, min_p, eos_id, cfg, chunk)  # fmt: skip
-    arrays = page_io.put_new_rows(arrays, new, small.pos, tables, cfg, cfg.state_dtype)
+    arrays = by_shard(
+        lambda t, ar, nw, before: page_io.put_new_rows(ar, nw, before, t, cfg, cfg.state_dtype),
+        shards,
+        P,
+        tables,
+        arrays,
+        new,
+        small.pos,
+    )
     out = (_put(batch, page_io.small_part(new)), arrays, tokens, keys)
     return out if chunk is None else (*out, prompt)
