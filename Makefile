@@ -27,7 +27,7 @@ serve: $(VENV)/.runtime
 	$(BIN)/ds4jax serve --host $(HOST) --port $(PORT)
 
 test: $(VENV)/.test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 bench: $(VENV)/.test
 	$(BIN)/python -m bench
