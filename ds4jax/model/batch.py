@@ -246,14 +246,7 @@ def paged_step(
                     tables, small, arrays)  # fmt: skip
     new, tokens, keys, prompt = _advance(params, rows, override, key_data, temperature, top_k,
                                          top_p, min_p, eos_id, cfg, chunk)  # fmt: skip
-    arrays = by_shard(
-        lambda t, ar, nw, before: page_io.put_new_rows(ar, nw, before, t, cfg, cfg.state_dtype),
-        shards,
-        P,
-        tables,
-        arrays,
-        new,
-        small.pos,
-    )
+    put = lambda t, ar, nw, n: page_io.put_new_rows(ar, nw, n, t, cfg, cfg.state_dtype)  # noqa: E731
+    arrays = by_shard(put, shards, P, tables, arrays, new, small.pos)
     out = (_put(batch, page_io.small_part(new)), arrays, tokens, keys)
     return out if chunk is None else (*out, prompt)

@@ -169,8 +169,9 @@ def load_any(
     layout = detect_layout(src)
     if resident and layout != "official":
         raise CheckpointError(
-            f"{src}: --weights {'/'.join(sorted(resident))} keeps the release's quantized "
-            f"tensors on device; it needs a checkpoint in the official layout, not {layout}"
+            f"{src}: keeping the release's {'/'.join(sorted(resident)).upper()} tensors on "
+            "device (--weights fp8 / fp4-experts) needs a checkpoint in the official layout, "
+            f"not {layout}"
         )
     if layout == "orbax":
         return restore_params(src, shardings, dtype)

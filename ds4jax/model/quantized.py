@@ -119,7 +119,8 @@ def expert(w: Any, e: jax.Array) -> Any:
 
 def dense(tree: Any, dtype: Any = jnp.float32, keep: frozenset[str] = frozenset()) -> Any:
     """A layer's params with every `QWeight` expanded, except the leaves named in `keep`
-    (a dict's keys at any depth: the routed experts, expanded one at a time by `expert`)."""
+    (a dict's keys at any depth: the routed experts, read one at a time by `expert` and
+    expanded where `matmul` uses them)."""
     if isinstance(tree, dict):
         return {k: v if k in keep else dense(v, dtype, keep) for k, v in tree.items()}
     return dequantize(tree, dtype)

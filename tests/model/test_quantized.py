@@ -67,18 +67,21 @@ def test_fp8_and_fp4_tensors_stay_in_their_formats(both: tuple) -> None:
 rows_step = jax.jit(lambda p, b, t: batch_ops.forward_rows(p, b, t, CFG)[0])
 
 
+def logits_on_every_path(params) -> list[np.ndarray]:
+    """Logits from every path that reads the weights: a prefill chunk (all experts at
+    once), one decode step (the selected experts one by one), the batched step (each
+    selected expert once) and the head."""
+    state, _ = prefill(params, init_state(CFG, 128), list(range(7, 7 + 70)), CFG,
+                       chunk_sizes=(64,))  # fmt: skip
+    stepped = decode_step(params, state, jnp.int32(11), CFG)
+    batch = batch_ops.insert(batch_ops.empty_batch(CFG, 128, 2), np.int32(0), state)
+    batch = batch_ops.insert(batch, np.int32(1), stepped)
+    rows = rows_step(params, batch, jnp.array([5, 9], jnp.int32))
+    return [np.asarray(x.logits) for x in (state, stepped, rows)]
+
+
 def test_logits_equal_the_dequantize_at_load_path(both: tuple) -> None:
-    at_load, resident = both
-    tokens = list(range(7, 7 + 70))
-    outs = []
-    for params in (at_load, resident):
-        state, _ = prefill(params, init_state(CFG, 128), tokens, CFG, chunk_sizes=(64,))
-        stepped = decode_step(params, state, jnp.int32(11), CFG)
-        batch = batch_ops.insert(batch_ops.empty_batch(CFG, 128, 2), np.int32(0), state)
-        batch = batch_ops.insert(batch, np.int32(1), stepped)
-        rows = rows_step(params, batch, jnp.array([5, 9], jnp.int32))
-        outs.append([np.asarray(x.logits) for x in (state, stepped, rows)])
-    for a, b in zip(*outs, strict=True):
+    for a, b in zip(*map(logits_on_every_path, both), strict=True):
         assert np.abs(a - b).max() <= 1e-5, np.abs(a - b).max()
 
 
@@ -115,16 +118,7 @@ def test_fp4_experts_keep_only_the_experts_and_give_the_f32_logits(release: Path
             if is_quantized(w)]  # fmt: skip
     assert kept and all(official.leaf_kind(n) == "fp4" for n in kept)
     assert fp4["head"].dtype == jnp.float32
-    tokens = list(range(7, 7 + 70))
-    outs = []
-    for params in (at_load, fp4):
-        state, _ = prefill(params, init_state(CFG, 128), tokens, CFG, chunk_sizes=(64,))
-        stepped = decode_step(params, state, jnp.int32(11), CFG)
-        batch = batch_ops.insert(batch_ops.empty_batch(CFG, 128, 2), np.int32(0), state)
-        batch = batch_ops.insert(batch, np.int32(1), stepped)
-        rows = rows_step(params, batch, jnp.array([5, 9], jnp.int32))
-        outs.append([np.asarray(x.logits) for x in (state, stepped, rows)])
-    for a, b in zip(*outs, strict=True):
+    for a, b in zip(*map(logits_on_every_path, (at_load, fp4)), strict=True):
         assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max(), np.abs(a - b).max()
 
 
