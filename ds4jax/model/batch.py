@@ -193,6 +193,9 @@ def by_shard(f: Any, shards: int, pool_pages: int, tables: jax.Array, *trees: An
     page stays on the devices holding it: no shard reads another's pages."""
     if shards == 1:
         return f(tables, *trees)
+    if tables.shape[0] % shards or pool_pages % shards:
+        raise ValueError(f"{tables.shape[0]} rows and {pool_pages} pages must split into "
+                         f"{shards} data shards")  # fmt: skip
     rows = tables.shape[0] // shards
     offset = (jnp.arange(tables.shape[0], dtype=tables.dtype) // rows) * (pool_pages // shards)
     local = jnp.where(tables == 0, 0, tables - offset[:, None])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from ds4jax.config import load_config
 from ds4jax.kvstore.pages import PagePool
@@ -94,3 +95,15 @@ def test_paged_rows_step_as_dense_rows_and_leave_other_frontiers_unchanged(paged
                     mb.extract(dense, jnp.int32(row))), row  # fmt: skip
     for name, front in outside.items():
         assert same(page_io.materialize(arrays, front, CFG, MAX_LEN), paged_states[name]), name
+
+
+def test_by_shard_gives_each_shard_its_block_with_local_ids() -> None:
+    """`by_shard` (issue 28) on plain arrays: 2 shards of a 4-row batch over an 8-page pool;
+    shard 1's pages 5 and 7 are its local 1 and 3, the null page 0 reads each shard's own
+    first page (global 0 and 4), and a batch or pool that does not split is refused."""
+    tables = jnp.array([[1, 2], [3, 0], [5, 7], [6, 0]], jnp.int32)
+    pool = jnp.arange(8, dtype=jnp.int32) * 10
+    seen = mb.by_shard(lambda t, p: p[t], 2, 8, tables, pool)  # each shard's own block
+    assert np.asarray(seen).tolist() == [[10, 20], [30, 0], [50, 70], [60, 40]]
+    with pytest.raises(ValueError, match="split into 3 data shards"):
+        mb.by_shard(lambda t, p: p[t], 3, 8, tables[:3], pool)
