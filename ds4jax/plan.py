@@ -30,7 +30,8 @@ parallelism over data × expert, tokens exchanged all-to-all per MoE layer). So 
 holds 1/data of the sessions, and the slice's sessions grow with data until the replicated
 weights leave no room. The best arrangement is then the one with the most sessions that
 fit. `ds4jax serve --mesh data=D` does not hold sessions that way yet: it splits the batch's
-rows but replicates states along data, which is what the data = 1 rows count.
+rows and the routed experts (`sharding.mesh_axes`) but replicates states along data, which
+is what the data = 1 rows count.
 """
 
 from __future__ import annotations

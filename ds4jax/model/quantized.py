@@ -143,8 +143,12 @@ def shardings_like(sharding: Any, w: QWeight) -> QWeight:
     from jax.sharding import NamedSharding, PartitionSpec
 
     mesh, spec = sharding.mesh, tuple(sharding.spec) + (None,) * (w.q.ndim - len(sharding.spec))
+
+    def size(ax: Any) -> int:  # a mesh axis, or several together (experts over data × expert)
+        return int(np.prod([mesh.shape[a] for a in (ax if isinstance(ax, tuple) else (ax,))]))
+
     axes = [
-        ax if ax is not None and d % mesh.shape[ax] == 0 else None
+        ax if ax is not None and d % size(ax) == 0 else None
         for ax, d in zip(spec, w.exp.shape, strict=True)
     ]
     return QWeight(sharding, NamedSharding(mesh, PartitionSpec(*axes)), w.block)

@@ -95,13 +95,20 @@ def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
 
 def mesh_axes(
     path: str, shape: tuple[int, ...], sizes: dict[str, int], rules: ShardingRules | None = None
-) -> tuple[str | None, ...]:
+) -> tuple[Any, ...]:
     """The mesh axis each dimension of a parameter is split over (None: replicated), for a
-    mesh of these axis `sizes`: its logical axis's, when the dimension divides."""
+    mesh of these axis `sizes`: its logical axis's, when the dimension divides. On a mesh
+    with a data axis the routed experts are split over data × expert together (issue 28:
+    expert parallelism over every device, rather than a copy of every expert per data
+    shard), when their count divides."""
     rules = rules or ShardingRules()
-    axes = []
+    axes: list[Any] = []
     for dim, logical in zip(shape, logical_axes(path, len(shape)), strict=True):
         ax = rules.mesh_axis(logical)
+        if ax == EXPERT_AXIS and sizes.get(DATA_AXIS, 1) > 1:
+            if dim % (sizes[DATA_AXIS] * sizes[EXPERT_AXIS]) == 0:
+                axes.append((DATA_AXIS, EXPERT_AXIS))
+                continue
         axes.append(ax if ax is not None and dim % sizes[ax] == 0 else None)
     return tuple(axes)
 
@@ -164,8 +171,9 @@ def default_mesh(cfg: Config, devices: list[Any] | None = None) -> Mesh | None:
 
 MESH_HELP = (
     "[data=D,]expert=E,tensor=T: shard the params over a device mesh (data: split the decode "
-    "batch's rows, params replicated along it); 'none': one device (default: every device "
-    "on the tensor axis where the shapes divide)"
+    "batch's rows, the routed experts over data × expert, the other params replicated along "
+    "data); 'none': one device (default: every device on the tensor axis where the shapes "
+    "divide)"
 )
 
 

@@ -74,7 +74,12 @@ SCRIPT = textwrap.dedent(
     assert dict(md.shape) == {"data": 2, "expert": 1, "tensor": 4}
     split = jax.device_put(jax.device_get(batch_of(one_dev, one)), batch_sharding(md))
     assert split.logits.sharding.spec == PartitionSpec("data")
-    dlogits, dtokens = step(shard_params(params, cfg, md), split)
+    # the routed experts split over data × expert (issue 28), not copied per data shard
+    pd = shard_params(params, cfg, md)
+    w1d = pd["layers"][0]["ffn"]["w1"]
+    assert w1d.sharding.spec == PartitionSpec(("data", "expert"), "tensor", None), w1d.sharding.spec
+    assert w1d.addressable_shards[0].data.shape[0] == cfg.num_experts // 2
+    dlogits, dtokens = step(pd, split)
     assert dtokens.tolist() == ref_tokens.tolist()
     derr = float(np.abs(np.asarray(dlogits) - np.asarray(ref_logits)).max())
     print("data_axis_err", derr)
