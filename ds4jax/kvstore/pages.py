@@ -74,38 +74,76 @@ class Copy:
 
 @dataclass
 class PagePool:
-    """Reference counts, the free list and each page's written length for `num_pages`
-    pages (page 0, the null page, included)."""
+    """Reference counts, the free lists and each page's written length for `num_pages`
+    pages (page 0, the null page, included).
+
+    `shards` > 1 (issue 28, data-parallel attention): the pages split into that many equal
+    blocks, shard s owning [s·B, (s+1)·B) — the pages one data shard's devices hold
+    (`model.batch.by_shard`). Each block's first page is that shard's null page, never
+    handed out; a frontier's pages all lie in one shard, new pages of a table come from its
+    own shard's free list, and a shard that is full is full even when another has room
+    (moving a frontier is a copy the caller decides on). Page ids stay global, so tables
+    pad with page 0 as before."""
 
     num_pages: int
+    shards: int = 1
     refs: list[int] = field(init=False)
     written: list[int] = field(init=False)
-    _free: list[int] = field(init=False)
+    _free_by: list[list[int]] = field(init=False)  # per shard; pop() gives its lowest page
 
     def __post_init__(self) -> None:
-        if self.num_pages < 2:
-            raise ValueError("a pool needs the null page and at least one page")
+        if self.num_pages < 2 * self.shards or self.num_pages % self.shards:
+            raise ValueError(f"{self.num_pages} pages do not give {self.shards} shard(s) a "
+                             "null page and at least one page each")  # fmt: skip
         self.refs = [0] * self.num_pages
         self.written = [0] * self.num_pages
-        self._free = list(range(self.num_pages - 1, NULL_PAGE, -1))  # pop() gives 1 first
+        b = self.block
+        self._free_by = [list(range((s + 1) * b - 1, s * b, -1)) for s in range(self.shards)]
+
+    @property
+    def block(self) -> int:
+        """Pages per shard (all of them with one shard)."""
+        return self.num_pages // self.shards
+
+    @property
+    def _free(self) -> list[int]:
+        return [p for free in self._free_by for p in free]
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        return sum(len(f) for f in self._free_by)
+
+    def free_in(self, shard: int) -> int:
+        return len(self._free_by[shard])
+
+    def shard_of(self, page: int) -> int:
+        return page // self.block
+
+    def table_shard(self, table: PageTable, default: int = 0) -> int:
+        """The shard holding a table's pages (`default` for a table with none)."""
+        return self.shard_of(table.pages[0]) if table.pages else default
+
+    def place(self) -> int:
+        """The shard a new frontier should go to: the one with the most free pages (the
+        first of them on a tie)."""
+        return max(range(self.shards), key=lambda s: (len(self._free_by[s]), -s))
 
     def extend(self, pages: int) -> None:
         """`pages` more pages (ids from `num_pages` on): a pool grows with the tokens held,
         up to its budget, instead of taking the budget's memory up front. The pages free
-        before are handed out first."""
+        before are handed out first. A pool split into shards keeps its size: its page ids
+        fix each shard's block."""
+        if self.shards > 1:
+            raise ValueError("a pool split into shards cannot grow: page ids fix its blocks")
         start = self.num_pages
         self.num_pages += pages
         self.refs += [0] * pages
         self.written += [0] * pages
-        self._free = list(range(self.num_pages - 1, start - 1, -1)) + self._free
+        self._free_by[0] = list(range(self.num_pages - 1, start - 1, -1)) + self._free_by[0]
 
     @property
     def used(self) -> int:
-        return self.num_pages - 1 - len(self._free)
+        return self.num_pages - self.shards - self.free
 
     def hold(self, table: PageTable) -> PageTable:
         """One more holder of `table` (a frontier retained twice: a fork point and a live
@@ -121,7 +159,8 @@ class PagePool:
         prefilled). The reference moves; `table`'s own page is freed if nothing else holds
         it. The caller drops `table` for the returned one."""
         old = table.pages[k]
-        if (k + 1) * PAGE_TOKENS > table.tokens or self.refs[page] <= 0 or page == old:
+        if ((k + 1) * PAGE_TOKENS > table.tokens or self.refs[page] <= 0 or page == old
+                or self.shard_of(page) != self.shard_of(old)):  # fmt: skip
             raise ValueError(f"page {k} of {table} cannot take page {page}")
         self.refs[page] += 1
         self.release(PageTable((old,), PAGE_TOKENS))
@@ -133,13 +172,14 @@ class PagePool:
             self.refs[p] -= 1
             if self.refs[p] == 0:
                 self.written[p] = 0
-                self._free.append(p)
+                self._free_by[self.shard_of(p)].append(p)
 
-    def grow(self, table: PageTable, tokens: int) -> tuple[PageTable, list[Copy]]:
+    def grow(self, table: PageTable, tokens: int, shard: int = 0) -> tuple[PageTable, list[Copy]]:
         """A new table holding `table`'s tokens and `tokens` more, and the copies to make
         before the step writes the new rows. `table` stays valid and held as it was; the
-        new table holds its own references."""
-        return self._append(table, tokens, moved=False)
+        new table holds its own references. Its pages come from `table`'s shard (`shard`
+        for a table with none)."""
+        return self._append(table, tokens, moved=False, shard=shard)
 
     def advance(self, table: PageTable, tokens: int) -> tuple[PageTable, list[Copy]]:
         """`grow`, with `table`'s own references moving to the new table (the caller drops
@@ -156,29 +196,31 @@ class PagePool:
         self.release(PageTable(table.pages[k:], 0))
         return PageTable(table.pages[:k], tokens)
 
-    def _append(self, table: PageTable, tokens: int, moved: bool) -> tuple[PageTable, list[Copy]]:
+    def _append(self, table: PageTable, tokens: int, moved: bool,
+                shard: int = 0) -> tuple[PageTable, list[Copy]]:  # fmt: skip
         if tokens < 0:
             raise ValueError("tokens are only appended")
+        free = self._free_by[self.table_shard(table, shard)]
         n, end = table.tokens, table.tokens + tokens
         keep = list(table.pages)
         copies: list[Copy] = []
         fill = n % PAGE_TOKENS
         tail_shared = bool(fill and tokens and self.written[keep[-1]] != fill)
         need = pages_for(end) - len(keep) + (1 if tail_shared else 0)
-        if need > len(self._free):
-            raise OutOfPages(need, len(self._free))
+        if need > len(free):
+            raise OutOfPages(need, len(free))
         if not moved:
             for p in keep:
                 self.refs[p] += 1
         if tail_shared:  # someone appended past our end in that page: write into a copy
-            fresh = self._free.pop()
+            fresh = free.pop()
             copies.append(Copy(keep[-1], fresh, fill))
             self.written[fresh] = fill
             self.refs[fresh] = 1
             self.release(PageTable((keep[-1],), 0))
             keep[-1] = fresh
         while len(keep) < pages_for(end):
-            fresh = self._free.pop()
+            fresh = free.pop()
             self.refs[fresh] = 1
             keep.append(fresh)
         for i in range(n // PAGE_TOKENS, len(keep)):  # how far each page is written after
@@ -187,8 +229,9 @@ class PagePool:
                 self.written[keep[i]] = max(self.written[keep[i]], last)
         return PageTable(tuple(keep), end), copies
 
-    def new(self, tokens: int) -> PageTable:
-        """A table for a frontier of `tokens` tokens from nothing (a cold prefill)."""
-        table, copies = self.grow(PageTable(), tokens)
+    def new(self, tokens: int, shard: int = 0) -> PageTable:
+        """A table for a frontier of `tokens` tokens from nothing (a cold prefill), on
+        `shard`."""
+        table, copies = self.grow(PageTable(), tokens, shard)
         assert not copies
         return table

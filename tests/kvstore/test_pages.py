@@ -167,6 +167,65 @@ Frontiers.TestCase.settings = settings(max_examples=60, stateful_step_count=40, 
 test_frontiers = Frontiers.TestCase
 
 
+class ShardedFrontiers(Frontiers):
+    """The same interleavings on a pool split into three data shards (issue 28): new
+    frontiers go to a drawn shard or the one `place` picks, and besides every rule above,
+    a frontier's pages stay in one shard's block, no shard's null page is handed out, and
+    each shard's free pages are exactly its block's unheld ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = PagePool(27, shards=3)  # 9 pages a shard, 8 usable
+
+    @rule(tokens=st.integers(0, 700), shard=st.one_of(st.none(), st.integers(0, 2)))
+    def new_on_a_shard(self, tokens: int, shard: int | None) -> None:
+        if shard is None:
+            shard = self.pool.place()
+            assert self.pool.free_in(shard) == max(self.pool.free_in(s) for s in range(3))
+        free = self.pool.free_in(shard)
+        try:
+            table = self.pool.new(tokens, shard)
+        except OutOfPages as err:
+            assert err.free == free  # full here, whatever the other shards hold
+            return
+        assert self.pool.table_shard(table, shard) == shard
+        values = self._values(tokens)
+        self._write(table, values, 0)
+        self.frontiers.append((table, values))
+
+    @invariant()
+    def a_frontier_lies_in_one_shard_and_shards_keep_their_own_free_pages(self) -> None:
+        pool = self.pool
+        for table, _ in self.frontiers:
+            assert len({pool.shard_of(p) for p in table.pages}) <= 1
+            assert all(p % pool.block for p in table.pages)  # no shard's null page
+        held = {p for table, _ in self.frontiers for p in table.pages}
+        for s in range(pool.shards):
+            block = range(s * pool.block + 1, (s + 1) * pool.block)
+            assert sorted(pool._free_by[s]) == [p for p in block if p not in held]
+
+
+ShardedFrontiers.TestCase.settings = settings(max_examples=40, stateful_step_count=40,
+                                              deadline=None)  # fmt: skip
+test_sharded_frontiers = ShardedFrontiers.TestCase
+
+
+def test_a_shard_is_full_on_its_own_and_a_sharded_pool_keeps_its_size() -> None:
+    pool = PagePool(8, shards=2)  # shard 0: pages 1-3, shard 1: pages 5-7
+    a = pool.new(3 * PAGE_TOKENS, shard=1)
+    assert a.pages == (5, 6, 7) and pool.place() == 0 and pool.used == 3
+    with pytest.raises(OutOfPages):
+        pool.grow(a, 1)  # shard 0's three free pages are not a's
+    b = pool.new(10)
+    with pytest.raises(ValueError):
+        pool.substitute(PageTable((b.pages[0],), PAGE_TOKENS), 0, a.pages[0])  # across shards
+    with pytest.raises(ValueError):
+        pool.extend(4)
+    with pytest.raises(ValueError):
+        PagePool(9, shards=2)
+    assert PageTable((5, 6), 300).padded(3) == [5, 6, NULL_PAGE]  # global ids, null 0
+
+
 @given(st.lists(st.integers(1, 400), min_size=1, max_size=8))
 @settings(max_examples=50, deadline=None)
 def test_a_live_session_growing_turn_by_turn_holds_its_tokens_pages(turns: list[int]) -> None:
