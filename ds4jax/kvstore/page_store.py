@@ -55,14 +55,20 @@ class PageStore:
     def __init__(
         self, cfg: Config, spans: tuple[int, ...], num_pages: int, dtype: str = "f32",
         place: Callable[[Any], Any] = lambda x: x, start_pages: int | None = None,
+        shards: int = 1,
     ) -> None:  # fmt: skip
         """`num_pages`: the most the pool grows to (the budget's pages); it starts with
         `start_pages` (default: all of them) and doubles when a frontier needs more, so
-        its memory follows the tokens held rather than the budget."""
+        its memory follows the tokens held rather than the budget. `shards` > 1 (issue
+        28): the pool split into that many data shards (`PagePool`), each frontier on one
+        (`keep`'s `shard`); such a pool takes its budget up front (rounded down to whole
+        shards), since its page ids fix each shard's block."""
         self.cfg, self.spans, self.dtype, self.place = cfg, spans, dtype, place
+        if shards > 1:
+            num_pages = start_pages = num_pages // shards * shards
         self.limit = num_pages
         start = num_pages if start_pages is None else max(2, min(start_pages, num_pages))
-        self.pool = PagePool(start)
+        self.pool = PagePool(start, shards)
         self.arrays = place(layout.page_arrays(cfg, start, dtype))
         self.page_nbytes = layout.page_bytes(cfg, dtype)
         shapes = jax.eval_shape(lambda: page_io.small_part(init_state(cfg, spans[0])))
@@ -77,14 +83,15 @@ class PageStore:
 
     def keep(
         self, state: DecodeState, tokens: int, base: page_io.PagedFrontier | None = None,
-        token_ids: Sequence[int] | None = None,
+        token_ids: Sequence[int] | None = None, shard: int = 0,
     ) -> page_io.PagedFrontier:  # fmt: skip
         """`state` (a dense state of `tokens` tokens) as a paged frontier; `base`, a paged
-        frontier whose tokens `state` extends, lends it every page they share. With its
-        `token_ids`, each full page it wrote is shared with a held page that closes the same
-        token prefix and holds the same bytes (`_share`)."""
+        frontier whose tokens `state` extends, lends it every page they share (and its
+        shard); without one, the frontier goes to `shard`. With its `token_ids`, each full
+        page it wrote is shared with a held page of its shard that closes the same token
+        prefix and holds the same bytes (`_share`)."""
         if base is None or base.tokens > tokens:
-            table, copies = self._pages(lambda: (self.pool.new(tokens), []))
+            table, copies = self._pages(lambda: (self.pool.new(tokens, shard), []))
             first = 0
         else:
             table, copies = self._pages(lambda: self.pool.grow(base.table, tokens - base.tokens))
@@ -154,6 +161,9 @@ class PageStore:
         are the same are shared (compared on the device): the frontier reads exactly the
         rows it wrote, whichever prefill made the page it now points at."""
         keys = prefix_keys(token_ids, table.tokens // PAGE_TOKENS)
+        if self.pool.shards > 1:  # a page is shared within its data shard only
+            shard = self.pool.table_shard(table).to_bytes(2, "little")
+            keys = [shard + k for k in keys]
         ours, theirs = [], []
         for k in range(first, len(keys)):
             page, held = table.pages[k], self._by_key.get(keys[k])

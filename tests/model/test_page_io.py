@@ -158,3 +158,28 @@ def test_pages_closing_the_same_prefix_with_the_same_bytes_are_stored_once(paged
     odd = store.keep(other, 600, None, ids)
     assert not set(odd.table.pages) & set(prompt.table.pages)
     assert same(store.dense(odd), resize(other, cfg=CFG, span=1024))
+
+
+def test_a_store_split_into_data_shards_keeps_each_frontier_and_its_sharing_on_its_shard(
+    paged_states,
+) -> None:
+    """`PageStore(shards=2)` (issue 28): the budget up front in two blocks, a frontier kept
+    on the shard asked for (or its base's), reading back its own state; the same prefix
+    kept on the other shard is stored there again — pages are shared within a shard only."""
+    from ds4jax.kvstore.page_store import PageStore
+    from ds4jax.model.state import resize, spans
+
+    store = PageStore(CFG, spans(CFG, MAX_LEN, 256), num_pages=21, start_pages=2, shards=2)
+    assert store.pool.num_pages == 20 and store.pool.block == 10
+    ids = list(range(600))
+    prompt = store.keep(paged_states["prompt"], 600, None, ids, shard=1)
+    assert {store.pool.shard_of(p) for p in prompt.table.pages} == {1}
+    live = store.keep(paged_states["live"], 900, prompt)  # grows on its base's shard
+    assert {store.pool.shard_of(p) for p in live.table.pages} == {1}
+    again = store.keep(paged_states["prompt"], 600, None, ids, shard=0)
+    assert {store.pool.shard_of(p) for p in again.table.pages} == {0}  # not shared across
+    used = store.pool.used
+    twin = store.keep(paged_states["prompt"], 600, None, ids, shard=0)
+    assert twin.table.pages[:2] == again.table.pages[:2] and store.pool.used == used + 1
+    for f, name in ((prompt, "prompt"), (live, "live"), (again, "prompt"), (twin, "prompt")):
+        assert same(store.dense(f), resize(paged_states[name], cfg=CFG, span=1024))
