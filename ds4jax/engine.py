@@ -240,7 +240,10 @@ class Engine:
         state the engine makes or loads is placed on it, replicated. `background_saves`: a
         `store` writes on its own thread (`kvstore.background`), off the request path.
         `paged_pages`: retained frontiers are kept in a pool of that many pages of
-        `cfg.state_dtype` (`kvstore.page_store`), the budget counting their distinct pages.
+        `cfg.state_dtype` (`kvstore.page_store`), the budget counting their distinct pages;
+        on a mesh with a data axis the pool is split along it (issue 28): each data shard's
+        devices hold its own pages and decode its own block of batch rows, and a session's
+        frontiers stay on one shard.
         `span_base`: the capacity every state starts with; states, the decode batch included,
         grow and shrink through `model.state.spans` with the tokens they hold.
         `host_budget_bytes`: a host-RAM tier (`kvstore.host`) of that size takes the states
@@ -268,9 +271,16 @@ class Engine:
         self.state_nbytes = capacity_bytes(cfg, self.spans[0])
         self.pages: PageStore | None = None
         paging: dict[str, int] = {}
+        #: data shards the page pool and the batch rows are split into (1: none)
+        self.shards = 1
+        #: prompts kept on another shard than their base's (its pages written again there)
+        self.shard_moves = 0
         if paged_pages is not None:
+            if mesh is not None and DATA_AXIS in mesh.shape:
+                self.shards = int(mesh.shape[DATA_AXIS])
             self.pages = PageStore(cfg, self.spans, paged_pages, cfg.state_dtype,
-                                   place=self._place, start_pages=PAGED_START)  # fmt: skip
+                                   place=self._place_pages, start_pages=PAGED_START,
+                                   shards=self.shards)  # fmt: skip
             paging = dict(page_nbytes=self.pages.page_nbytes,
                           small_nbytes=self.pages.small_nbytes)  # fmt: skip
         elif state_budget_bytes is not None and state_budget_bytes < self.state_nbytes:
@@ -524,9 +534,41 @@ class Engine:
                            self.stall_bound)  # fmt: skip
 
     def _step_size(self) -> int:
-        """The batch size the next decode step runs at (0: no row decodes)."""
+        """The batch size the next decode step runs at (0: no row decodes); with data
+        shards always the whole batch, whose blocks of rows are the shards'."""
         active = [i for i, t in enumerate(self._rows) if t is not None]
+        if active and self.shards > 1:
+            return self.max_batch
         return batch_ops.bucket(active[-1] + 1) if active else 0
+
+    def _place_pages(self, tree: Any) -> Any:
+        """The page arrays: placed as a state is, or split along the mesh's data axis into
+        the shards' blocks of pages."""
+        if self.shards == 1:
+            return self._place(tree)
+        if jax.process_count() > 1:
+            tree = _on_host(tree)
+        return jax.device_put(tree, batch_sharding(self.mesh))
+
+    def _shard_rows(self, shard: int) -> range:
+        block = self.max_batch // self.shards
+        return range(shard * block, (shard + 1) * block)
+
+    def _row_shard(self, base: Any) -> tuple[int, Any]:
+        """(the data shard a prompt's row and frontier go to, the base to grow it from):
+        its base's shard while that has a free row, else the shard with a free row and the
+        most free pages — the base's pages are then written again there (`shard_moves`),
+        since a shard's rows read only its own pages."""
+        if self.shards == 1:
+            return 0, base
+        pool = self.pages.pool
+        free = [s for s in range(self.shards) if self._free_row(s) is not None]
+        if isinstance(base, PagedFrontier) and pool.table_shard(base.table) in free:
+            return pool.table_shard(base.table), base
+        shard = max(free, key=lambda s: (pool.free_in(s), -s))
+        if isinstance(base, PagedFrontier):
+            self.shard_moves += 1
+        return shard, None
 
     def _place(self, tree: Any) -> Any:
         """On the mesh, replicated (states are small next to the params); without one,
@@ -571,9 +613,11 @@ class Engine:
         for t in tickets:
             t.fail(err)
 
-    def _free_row(self) -> int | None:
-        for i, t in enumerate(self._rows):
-            if t is None:
+    def _free_row(self, shard: int | None = None) -> int | None:
+        """A free batch row (of `shard`'s block with data shards)."""
+        rows = range(self.max_batch) if shard is None else self._shard_rows(shard)
+        for i in rows:
+            if self._rows[i] is None:
                 return i
         return None
 
@@ -740,16 +784,16 @@ class Engine:
             live_segments = prepared.view.segments
         else:
             live_segments = normalize([*ticket.base_segments, *(decision.suffix_segments or ())])
-        base = ticket.base_paged
+        shard, base = self._row_shard(ticket.base_paged) if self.pages else (0, None)
         bt = ticket.before_think_state
         if bt is not None and live_segments[-1:] == (THINK_START_SEGMENT,):
             # kept first, and the prompt end grown from it: one token further, so it appends
             # in place and the two share every page
-            bt = self._keep(bt, tokens[:-1], base)
+            bt = self._keep(bt, tokens[:-1], base, shard)
             base = bt if isinstance(bt, PagedFrontier) else base
         else:
             bt = None
-        kept = self._keep(state, tokens, base)
+        kept = self._keep(state, tokens, base, shard)
         if self.pages is not None and not isinstance(kept, PagedFrontier):
             raise EngineError(529, f"overloaded: no pages left for a {len(tokens)}-token "
                               "prompt's row; retry shortly", "overloaded_error")  # fmt: skip
@@ -772,8 +816,8 @@ class Engine:
                 pool.retain(LiveFrontier(bt, tuple(tokens[:-1]), live_segments[:-1]), session.slot)
         ticket.decoder = RowDecoder(self, prepared, session, list(tokens), live_segments,
                                     ticket.emit, ticket.cancel, ticket.forced)  # fmt: skip
-        row = self._free_row()
-        assert row is not None  # reserved at admission
+        row = self._free_row(shard if self.shards > 1 else None)
+        assert row is not None  # reserved at admission (on the shard `_row_shard` chose)
         seed = prepared.sampling.seed
         if seed is None:
             seed = int.from_bytes(hashlib.blake2b(prepared.nonce, digest_size=4).digest()) >> 1
@@ -867,7 +911,7 @@ class Engine:
             return out if chunk is not None else (*out, None)
         out = batch_ops.paged_step(
             self.params, batch, self.pages.arrays, grid, *args, chunk, cfg=self.cfg, size=size,
-            span=self._batch_span,
+            span=self._batch_span, shards=self.shards,
         )  # fmt: skip
         batch, self.pages.arrays, tokens, keys = out[:4]
         return batch, tokens, keys, out[4] if chunk is not None else None
@@ -963,15 +1007,15 @@ class Engine:
             self._batch = self._place_batch(resize(self._batch, cfg=self.cfg, span=span))
         self._batch_span = span
 
-    def _keep(self, state: Any, ids: Sequence[int], base: Any) -> Any:
+    def _keep(self, state: Any, ids: Sequence[int], base: Any, shard: int = 0) -> Any:
         """What a retained frontier holds of `state` (of the tokens `ids`): itself, or with
-        paged frontiers its pages, grown from `base`'s and shared where another frontier's
-        pages hold the same prefix."""
+        paged frontiers its pages, grown from `base`'s (else on `shard`) and shared where
+        another frontier's pages hold the same prefix."""
         if self.pages is None:
             return state
         tokens = len(ids)
         try:
-            return self.pages.keep(state, tokens, base, ids)
+            return self.pages.keep(state, tokens, base, ids, shard)
         except OutOfPages as err:  # kept dense instead: correct, and the budget counts it so
             log.warning("page pool full (%s): a frontier of %d tokens kept whole", err, tokens)
             return state
@@ -1146,7 +1190,9 @@ class Engine:
             # it, the first that a prompt arriving while rows decode takes
             small = min(self.chunk_sizes)
             chunks = [None, (self._empty, np.zeros(small, np.int32), np.int32(1))]
-            for size in batch_ops.BATCH_SIZES:
+            # (with data shards the step always runs the whole batch: `_step_size`)
+            sizes = [self.max_batch] if self.shards > 1 else batch_ops.BATCH_SIZES
+            for size in sizes:
                 if size > self.max_batch:
                     break
                 grid = np.zeros((size, pages_for(self._batch_span)), np.int32)

@@ -111,6 +111,56 @@ SCRIPT = textwrap.dedent(
             moved.append(line.strip()[:160])
     assert not moved, moved
     print("no_pool_collectives")
+
+    # the engine on that mesh (`serve --paged --mesh data=2,…`): the pool split along data,
+    # each session's frontiers on one shard, its row in that shard's block; four
+    # conversations at once, two turns each, give one device's greedy text and sources
+    from ds4jax.chat.anthropic import parse_messages_request
+    from ds4jax.chat.tokenizer import V4Tokenizer
+    from ds4jax.engine import Engine, SamplingParams
+    from ds4jax.model.page_io import PagedFrontier
+
+    tok = V4Tokenizer()
+    kw = dict(max_len=MAX_LEN, chunk_sizes=(16, 64), sessions=4, max_batch=4, fork_points=True,
+              paged_pages=32)
+
+    def request(engine, messages):
+        body = {"messages": messages, "thinking": {"type": "disabled"}}
+        return engine.prepare_request(parse_messages_request(body), max_tokens=5,
+                                      sampling=SamplingParams(temperature=0.0))
+
+    def conversations(engine):
+        firsts = ["Name a river.", "Count to three.", "What is JAX?", "Say hi to me."]
+        history = [[{"role": "user", "content": t}] for t in firsts]
+        out = []
+        for turn in range(2):
+            tickets = [engine.submit(request(engine, h)) for h in history]
+            while engine.busy:
+                engine.tick()
+            for h, t in zip(history, tickets):
+                assert t.error is None, t.error
+                out.append((t.result.raw_text, t.result.source))
+                h += [{"role": "assistant", "content": t.result.raw_text or "ok"},
+                      {"role": "user", "content": "And then?"}]
+        return out, tickets
+
+    want, _ = conversations(Engine(cfg, jax.device_put(params, jax.devices()[0]), tok, **kw))
+    engine = Engine(cfg, shard_params(params, cfg, mesh), tok, mesh=mesh, **kw)
+    assert engine.shards == 2
+    got, tickets = conversations(engine)
+    assert got == want, (got, want)
+    pool = engine.pages.pool
+    shards_used = set()
+    for t in tickets:
+        live = engine.pool.sessions[t.result.session].live.state
+        assert isinstance(live, PagedFrontier)
+        on = {pool.shard_of(p) for p in live.table.pages}
+        assert len(on) == 1, on
+        shards_used |= on
+    assert shards_used == {0, 1}  # both shards hold sessions
+    leaf = jax.tree.leaves(engine.pages.arrays)[0]
+    assert leaf.addressable_shards[0].data.shape[0] == pool.block
+    print("engine_shards_equal", engine.shard_moves)
     """
 )
 
@@ -123,3 +173,4 @@ def test_paged_step_with_the_pool_split_along_data_equals_one_device() -> None:
                           capture_output=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "shard_step_equal" in proc.stdout and "no_pool_collectives" in proc.stdout
+    assert "engine_shards_equal" in proc.stdout
