@@ -201,9 +201,6 @@ class _Snapshot:
         self.worker = worker
         self.model_name = model_name
 
-    def describe(self) -> list[Metric]:  # the registry need not collect to learn the names
-        return list(self._families())
-
     def collect(self) -> Iterator[Metric]:
         worker = self.worker
         engine = worker.engine
@@ -230,6 +227,29 @@ class _Snapshot:
             "mixed_step_prompt_tokens": engine.mixed_prompt_tokens,
         }
         yield from self._families(values, counts)
+        yield from self._shard_families(engine)
+
+    def describe(self) -> list[Metric]:  # the registry need not collect to learn the names
+        return [*self._families(), *self._shard_families(None)]
+
+    def _shard_families(self, engine: Any) -> Iterator[Metric]:
+        """The page pool per data shard (issue 28): pages and device bytes each shard's
+        block holds, and prompts moved to another shard than their base's. One shard, the
+        whole pool, without a data axis; no samples without a page pool."""
+        pages = None if engine is None else engine.pages
+        for name, doc in SHARD_GAUGES.items():
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name", "shard"])
+            if pages is not None:
+                pool = pages.pool
+                for shard in range(pool.shards):
+                    used = pool.block - 1 - pool.free_in(shard)
+                    value = used if name == "page_shard_pages_used" else used * pages.page_nbytes
+                    g.add_metric([self.model_name, str(shard)], value)
+            yield g
+        c = CounterMetricFamily(PREFIX + "page_shard_moves", SHARD_MOVES, labels=["model_name"])
+        if engine is not None:
+            c.add_metric([self.model_name], engine.shard_moves)
+        yield c
 
     def _families(
         self, values: dict[str, float] | None = None, counts: dict[str, int] | None = None
@@ -269,3 +289,10 @@ STORE_COUNTERS = {
     "mixed_steps": "Decode steps a prompt's chunk rode in (--stall-bound).",
     "mixed_step_prompt_tokens": "Prompt tokens evaluated inside decode steps (--stall-bound).",
 }
+SHARD_GAUGES = {
+    "page_shard_pages_used": "Pages held in each data shard's block of the page pool "
+    "(serve --paged on a mesh with a data axis; shard 0 is the whole pool otherwise).",
+    "page_shard_bytes": "Device bytes of the pages each data shard's block holds: what each "
+    "of that shard's devices holds of the retained states' pages.",
+}
+SHARD_MOVES = "Prompts kept on another data shard than their base's (its pages written again)."

@@ -144,7 +144,8 @@ SCRIPT = textwrap.dedent(
                       {"role": "user", "content": "And then?"}]
         return out, tickets
 
-    want, _ = conversations(Engine(cfg, jax.device_put(params, jax.devices()[0]), tok, **kw))
+    alone = Engine(cfg, jax.device_put(params, jax.devices()[0]), tok, **kw)
+    want, _ = conversations(alone)
     engine = Engine(cfg, shard_params(params, cfg, mesh), tok, mesh=mesh, **kw)
     assert engine.shards == 2
     got, tickets = conversations(engine)
@@ -160,6 +161,20 @@ SCRIPT = textwrap.dedent(
     assert shards_used == {0, 1}  # both shards hold sessions
     leaf = jax.tree.leaves(engine.pages.arrays)[0]
     assert leaf.addressable_shards[0].data.shape[0] == pool.block
+    # /metrics per shard: the same pages as on one device, split between the shards, so
+    # each shard's devices hold about half of them
+    from types import SimpleNamespace
+    from serve.metrics import _Snapshot
+
+    def per_shard(e):
+        snap = _Snapshot(SimpleNamespace(engine=e, depth=0, waiting=0), "m")
+        fams = {f.name: f for f in snap.collect()}
+        return [s.value for s in fams["ds4jax:page_shard_bytes"].samples]
+
+    whole, split = per_shard(alone), per_shard(engine)
+    print("shard_bytes", whole, split)
+    assert len(whole) == 1 and len(split) == 2 and sum(split) == whole[0]
+    assert all(0.25 * whole[0] <= b <= 0.75 * whole[0] for b in split)
     print("engine_shards_equal", engine.shard_moves)
     """
 )
