@@ -189,6 +189,10 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
         banner += (f"state budget {budget / 2**20:.0f} MB in pages ({p.pool.num_pages - 1} "
                    f"pages of {p.page_nbytes / 2**20:.2f} MB + {p.small_nbytes / 2**20:.2f} "
                    "MB per frontier)")  # fmt: skip
+        if engine.shards > 1:  # issue 28: each data shard's devices hold their block only
+            banner += (f", split over data={engine.shards}: {p.pool.block - 1} pages "
+                       f"({(p.pool.block - 1) * p.page_nbytes / 2**20:.0f} MB) on each "
+                       "shard's devices, taken up front")  # fmt: skip
     if store is not None:
         # exact DSML replay survives a restart: tool ids → sampled bytes, before any request
         for tid, block in store.tool_entries().items():
