@@ -67,7 +67,7 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
                     "--state-memory)")  # fmt: skip
     sp.add_argument("--state-memory", type=float, default=None, metavar="GB",
                     help="GB of retained states (sessions, fork points); default: "
-                    f"{STATE_MEMORY_SHARE:.0%} of the memory left after the weights; "
+                    f"{STATE_MEMORY_SHARE * 100:.0f}%% of the memory left after the weights; "
                     "overrides --state-budget-mb")  # fmt: skip
     sp.add_argument("--host-state-memory", type=float, default=0.0, metavar="GB",
                     help="GB of host RAM for the states of sessions the state budget "

@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from ds4jax import cli
 from ds4jax.chat import specials as sp
 
 ITALIAN = "Rispondi in italiano con una frase: chi era Ada Lovelace?"
@@ -113,3 +116,26 @@ def test_attention_impl_flag_reaches_the_config() -> None:
     assert sp.parse_args(["--attention-impl", "xla"]).attention_impl == "xla"
     out = run("generate", "--config", "tiny", "-p", "x", "--attention-impl", "fast")
     assert out.returncode == 2 and b"invalid choice" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "render",
+        "count-tokens",
+        "tokenize",
+        "tokenizer",
+        "dump-logits",
+        "generate",
+        "plan",
+        "convert",
+        "serve",
+    ],
+)
+def test_every_command_prints_its_help(command: str, capsys) -> None:
+    """`--help` formats every option's help (argparse reads `%` in it as a format: the
+    default state-memory share once crashed `ds4jax serve --help`)."""
+    with pytest.raises(SystemExit) as done:
+        cli.main([command, "--help"])
+    assert done.value.code == 0
+    assert "usage: ds4jax" in capsys.readouterr().out
