@@ -346,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "--paged --state-dtype) instead of fixed-capacity f32 states")  # fmt: skip
     sp.add_argument("--data-parallel", action="store_true",
                     help="search data×expert×tensor too: each data shard holding its own "
-                    "sessions, experts over every device (on paper: issue 28)")  # fmt: skip
+                    "sessions' pages, experts over every device (serve --paged --mesh "
+                    "data=D)")  # fmt: skip
     add_hub_options(sp)
     sp.set_defaults(func=cmd_plan)
 

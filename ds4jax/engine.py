@@ -278,6 +278,11 @@ class Engine:
         if paged_pages is not None:
             if mesh is not None and DATA_AXIS in mesh.shape:
                 self.shards = int(mesh.shape[DATA_AXIS])
+                # a sharded pool is taken up front (its ids fix each shard's block): no more
+                # than every session, fork point and row at the full context could hold on
+                # any one shard, rather than a budget sized to the host's memory
+                most = (sessions * (2 if fork_points else 1) + max_batch) * pages_for(max_len)
+                paged_pages = min(paged_pages, self.shards * (most + 1))
             self.pages = PageStore(cfg, self.spans, paged_pages, cfg.state_dtype,
                                    place=self._place_pages, start_pages=PAGED_START,
                                    shards=self.shards)  # fmt: skip

@@ -29,9 +29,10 @@ replicated along `data`, and the routed experts are split over every device (exp
 parallelism over data × expert, tokens exchanged all-to-all per MoE layer). So a device
 holds 1/data of the sessions, and the slice's sessions grow with data until the replicated
 weights leave no room. The best arrangement is then the one with the most sessions that
-fit. `ds4jax serve --mesh data=D` does not hold sessions that way yet: it splits the batch's
-rows and the routed experts (`sharding.mesh_axes`) but replicates states along data, which
-is what the data = 1 rows count.
+fit. `ds4jax serve --paged --mesh data=D,…` holds sessions that way: its page pool is split
+along data (`kvstore.pages.PagePool(shards=…)`), the routed experts over data × expert
+(`sharding.mesh_axes`); its per-session small parts stay replicated (counted here with the
+pages), as do dense states without `--paged`.
 """
 
 from __future__ import annotations
@@ -174,8 +175,8 @@ def describe(name: str, plans: list[MeshPlan], *, devices: int, hbm_gb: float, c
     if data_parallel:
         lines += [
             "data > 1: data-parallel attention (each data shard holds its own sessions and "
-            "batch rows; experts split over every device) — on paper: `ds4jax serve --mesh "
-            "data=D` still replicates states along data (issue 28)",
+            "batch rows; experts split over every device): `ds4jax serve --paged --mesh "
+            "data=D,…` splits its page pool so; counted on paper here (issue 28)",
             "",
             f"data×expert×tensor   weights/device   total/device   fits   sessions of "
             f"{ctx:,} that fit",

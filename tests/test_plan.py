@@ -131,12 +131,12 @@ def test_data_parallel_reproduces_vllms_dp8_against_tp8_at_1m() -> None:
     assert ps[0].data == 8
 
 
-def test_cli_data_parallel_names_the_arrangement_and_says_it_is_on_paper(capsys) -> None:
+def test_cli_data_parallel_names_the_arrangement(capsys) -> None:
     argv = ["plan", "--devices", "8", "--hbm-gb", "192", "--ctx", "1048576", "--sessions", "1",
             "--paged-state", "fp8", "--data-parallel"]  # fmt: skip
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "mesh: data=8,expert=1,tensor=1" in out and "on paper" in out
+    assert "mesh: data=8,expert=1,tensor=1" in out and "counted on paper" in out
     assert cli.main([*argv, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["plans"][0]["data"] == 8 and d["plans"][0]["mesh"] == "data=8,expert=1,tensor=1"
