@@ -369,7 +369,7 @@ class ServeGroup:
         group = ("--coordinator", f"127.0.0.1:{free_port()}", "--num-processes",
                  str(processes), "--kv-disk-dir", self.kv_dir)  # fmt: skip
         env = {"JAX_NUM_CPU_DEVICES": str(devices_each), "XLA_FLAGS": "",
-               "DS4JAX_HEARTBEAT_TIMEOUT_S": "5"}  # fmt: skip
+               "DS4JAX_HEARTBEAT_TIMEOUT_S": "15"}  # fmt: skip
         # followers first: the leader's HTTP port is the one tests use
         self.followers = [
             ServeProcess(*GROUP_ARGS, *group, "--process-id", str(i), model=(), env=env)
