@@ -82,7 +82,7 @@ from ds4jax.model import batch as batch_ops
 from ds4jax.model.forward import CHUNK_SIZES, plan_chunks, prefill
 from ds4jax.model.page_io import PagedFrontier, small_part
 from ds4jax.model.params import Params
-from ds4jax.model.sharding import DATA_AXIS, batch_sharding, replicated
+from ds4jax.model.sharding import DATA_AXIS, batch_sharding, fetch, replicated
 from ds4jax.model.state import (
     SPAN_BASE,
     capacity_bytes,
@@ -278,14 +278,10 @@ class Engine:
         if paged_pages is not None:
             if mesh is not None and DATA_AXIS in mesh.shape:
                 self.shards = int(mesh.shape[DATA_AXIS])
-                # a sharded pool is taken up front (its ids fix each shard's block): no more
-                # than every session, fork point and row at the full context could hold on
-                # any one shard, rather than a budget sized to the host's memory
-                most = (sessions * (2 if fork_points else 1) + max_batch) * pages_for(max_len)
-                paged_pages = min(paged_pages, self.shards * (most + 1))
+            held = sessions * (2 if fork_points else 1) + max_batch  # frontiers at most
             self.pages = PageStore(cfg, self.spans, paged_pages, cfg.state_dtype,
                                    place=self._place_pages, start_pages=PAGED_START,
-                                   shards=self.shards)  # fmt: skip
+                                   shards=self.shards, frontiers=held)  # fmt: skip
             paging = dict(page_nbytes=self.pages.page_nbytes,
                           small_nbytes=self.pages.small_nbytes)  # fmt: skip
         elif state_budget_bytes is not None and state_budget_bytes < self.state_nbytes:
@@ -547,10 +543,11 @@ class Engine:
         return batch_ops.bucket(active[-1] + 1) if active else 0
 
     def _place_pages(self, tree: Any) -> Any:
-        """The page arrays: placed as a state is, or split along the mesh's data axis into
-        the shards' blocks of pages."""
-        if self.shards == 1:
-            return self._place(tree)
+        """The page arrays: placed as a state is, or split into the data shards' blocks."""
+        return self._place(tree) if self.shards == 1 else self._split(tree)
+
+    def _split(self, tree: Any) -> Any:
+        """Split along the mesh's data axis (first dimension: rows, or pages)."""
         if jax.process_count() > 1:
             tree = _on_host(tree)
         return jax.device_put(tree, batch_sharding(self.mesh))
@@ -559,21 +556,26 @@ class Engine:
         block = self.max_batch // self.shards
         return range(shard * block, (shard + 1) * block)
 
-    def _row_shard(self, base: Any) -> tuple[int, Any]:
-        """(the data shard a prompt's row and frontier go to, the base to grow it from):
-        its base's shard while that has a free row, else the shard with a free row and the
-        most free pages — the base's pages are then written again there (`shard_moves`),
-        since a shard's rows read only its own pages."""
+    def _row_for(self, base: Any) -> tuple[int, int, Any]:
+        """(a free batch row for a prompt, its data shard, the paged base to grow its
+        frontier from): with data shards, a row of its base's shard while that has one,
+        else of the shard with a free row and the most free pages — the base's pages are
+        then written again there (`shard_moves`), since a shard's rows read only its own
+        pages."""
         if self.shards == 1:
-            return 0, base
+            row = self._free_row()
+            assert row is not None  # reserved at admission
+            return row, 0, base
         pool = self.pages.pool
         free = [s for s in range(self.shards) if self._free_row(s) is not None]
         if isinstance(base, PagedFrontier) and pool.table_shard(base.table) in free:
-            return pool.table_shard(base.table), base
-        shard = max(free, key=lambda s: (pool.free_in(s), -s))
-        if isinstance(base, PagedFrontier):
-            self.shard_moves += 1
-        return shard, None
+            shard = pool.table_shard(base.table)
+        else:
+            shard = max(free, key=lambda s: (pool.free_in(s), -s))
+            if isinstance(base, PagedFrontier):
+                self.shard_moves += 1
+            base = None
+        return self._free_row(shard), shard, base
 
     def _place(self, tree: Any) -> Any:
         """On the mesh, replicated (states are small next to the params); without one,
@@ -600,7 +602,7 @@ class Engine:
         data = self.mesh.shape[DATA_AXIS]
         if self.max_batch % data:
             raise ValueError(f"a batch of {self.max_batch} rows does not split over data={data}")
-        return jax.device_put(_on_host(batch), batch_sharding(self.mesh))
+        return self._split(batch)
 
     def abort(self, err: Exception) -> None:
         """Fail every request in the scheduler (after a step raised): their rows and the
@@ -789,7 +791,7 @@ class Engine:
             live_segments = prepared.view.segments
         else:
             live_segments = normalize([*ticket.base_segments, *(decision.suffix_segments or ())])
-        shard, base = self._row_shard(ticket.base_paged) if self.pages else (0, None)
+        row, shard, base = self._row_for(ticket.base_paged)
         bt = ticket.before_think_state
         if bt is not None and live_segments[-1:] == (THINK_START_SEGMENT,):
             # kept first, and the prompt end grown from it: one token further, so it appends
@@ -821,8 +823,6 @@ class Engine:
                 pool.retain(LiveFrontier(bt, tuple(tokens[:-1]), live_segments[:-1]), session.slot)
         ticket.decoder = RowDecoder(self, prepared, session, list(tokens), live_segments,
                                     ticket.emit, ticket.cancel, ticket.forced)  # fmt: skip
-        row = self._free_row(shard if self.shards > 1 else None)
-        assert row is not None  # reserved at admission (on the shard `_row_shard` chose)
         seed = prepared.sampling.seed
         if seed is None:
             seed = int.from_bytes(hashlib.blake2b(prepared.nonce, digest_size=4).digest()) >> 1
@@ -888,7 +888,7 @@ class Engine:
             self._batch, grid, override, self._keys[:size], temperature, top_k, top_p, min_p,
             chunk=chunk,
         )  # fmt: skip
-        tokens, keys = np.asarray(tokens), np.asarray(keys)
+        tokens, keys = fetch(tokens), fetch(keys)
         for row in stepping:
             self._keys[row] = keys[row]
             ticket = self._rows[row]

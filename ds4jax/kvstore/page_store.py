@@ -32,9 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.config import Config
-from ds4jax.kvstore.pages import PAGE_TOKENS, OutOfPages, PagePool, PageTable
+from ds4jax.kvstore.pages import PAGE_TOKENS, OutOfPages, PagePool, PageTable, pages_for
 from ds4jax.model import page_io
 from ds4jax.model import pages as layout
+from ds4jax.model.sharding import fetch
 from ds4jax.model.state import DecodeState, init_state, span_for
 
 
@@ -55,16 +56,20 @@ class PageStore:
     def __init__(
         self, cfg: Config, spans: tuple[int, ...], num_pages: int, dtype: str = "f32",
         place: Callable[[Any], Any] = lambda x: x, start_pages: int | None = None,
-        shards: int = 1,
+        shards: int = 1, frontiers: int | None = None,
     ) -> None:  # fmt: skip
         """`num_pages`: the most the pool grows to (the budget's pages); it starts with
         `start_pages` (default: all of them) and doubles when a frontier needs more, so
         its memory follows the tokens held rather than the budget. `shards` > 1 (issue
         28): the pool split into that many data shards (`PagePool`), each frontier on one
-        (`keep`'s `shard`); such a pool takes its budget up front (rounded down to whole
-        shards), since its page ids fix each shard's block."""
+        (`keep`'s `shard`); such a pool takes its budget up front, since its page ids fix
+        each shard's block: rounded down to whole shards, and no more than `frontiers` (the
+        most a shard ever holds: sessions, fork points and rows) hold at the longest span
+        on every shard — rather than a budget sized to the host's memory."""
         self.cfg, self.spans, self.dtype, self.place = cfg, spans, dtype, place
         if shards > 1:
+            if frontiers is not None:
+                num_pages = min(num_pages, shards * (frontiers * pages_for(spans[-1]) + 1))
             num_pages = start_pages = num_pages // shards * shards
         self.limit = num_pages
         start = num_pages if start_pages is None else max(2, min(start_pages, num_pages))
@@ -177,7 +182,7 @@ class PageStore:
         width = 1 << (len(ours) - 1).bit_length()  # a few compiled widths, not one per count
         pad = [0] * (width - len(ours))
         a = np.asarray([table.pages[k] for k in ours] + pad, np.int32)
-        same = np.asarray(page_io.same_pages(self.arrays, a, np.asarray(theirs + pad, np.int32)))
+        same = fetch(page_io.same_pages(self.arrays, a, np.asarray(theirs + pad, np.int32)))
         for k, held, eq in zip(ours, theirs, same, strict=False):
             if eq:
                 table = self.pool.substitute(table, k, held)

@@ -125,6 +125,17 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def fetch(x: jax.Array) -> np.ndarray:
+    """An array on the host of every process: one split over devices of other processes
+    (rows over a data axis that spans them) is gathered first, a collective each process
+    makes at the same point, as it makes every step."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def shard_params(params: Params, cfg: Config, mesh: Mesh, rules: ShardingRules | None = None):
     return jax.device_put(params, param_shardings(cfg, mesh, rules))
 

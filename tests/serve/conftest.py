@@ -350,13 +350,14 @@ class ServeProcess:
 
 _early: dict[str, Any] = {}
 #: the demo server's flags: no model flags, a session for each of six concurrent agents, a
-#: stats line every second, retained frontiers in pages (the multi-host group, which is
-#: compared with it token for token, keeps dense ones)
+#: stats line every second, retained frontiers in pages
 DEMO_SERVE_ARGS = ("--sessions", "6", "--stats-interval", "1", "--paged")
-#: the multi-host group: two processes of 4 CPU devices each, one 2×4 mesh over all 8
-#: (the chunk sizes the tests' prompts are cut into, as with the default ones: 256 would only
-#: add a compile)
-GROUP_ARGS = ("--mesh", "expert=2,tensor=4", "--sessions", "2", "--max-batch", "1",
+#: the multi-host group: two processes of 4 CPU devices each, one 4×2 mesh over all 8 with
+#: sessions' pages split along data (issue 28: shards 0-1 on process 0's devices, 2-3 on
+#: process 1's), a row on each shard (the chunk sizes the tests' prompts are cut into, as
+#: with the default ones: 256 would only add a compile)
+GROUP_MESH = "data=4,expert=2"
+GROUP_ARGS = ("--paged", "--mesh", GROUP_MESH, "--sessions", "2", "--max-batch", "4",
               "--chunk-sizes", "4,16,64,512")  # fmt: skip
 
 

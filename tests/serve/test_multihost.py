@@ -1,6 +1,7 @@
 """`ds4jax serve` as a group of two processes × 4 CPU devices on this machine (issue 16):
 JAX's own multi-controller runtime, the leader serving HTTP and the follower replaying each
-engine operation. The demo's tool loop comes out token for token as from one process on one
+engine operation; sessions' pages split along a data axis whose shards lie in both
+processes (issue 28). The demo's tool loop comes out token for token as from one process on one
 device, continues live, and a dead follower ends the group: health fails, the leader exits
 non-zero within a bounded time, saying which process stopped."""
 
@@ -17,7 +18,7 @@ import jax
 import pytest
 
 from ds4jax.demo.corpus import TOOLS, run_tool
-from tests.serve.conftest import ServeGroup, ServeProcess, take_served
+from tests.serve.conftest import GROUP_MESH, ServeGroup, ServeProcess, take_served
 from tests.serve.metrics_scrape import scrape
 
 LIVE_LINE = "anthropic live continuation match=tool-output-ids ids=1"
@@ -68,7 +69,8 @@ def test_the_group_serves_the_tool_loop_as_one_device_does(
     served_group: ServeGroup, demo_served: ServeProcess
 ) -> None:
     leader = served_group.leader
-    assert "process 0 of 2; mesh {'expert': 2, 'tensor': 4}" in leader.stderr
+    assert "process 0 of 2; mesh {'data': 4, 'expert': 2, 'tensor': 1}" in leader.stderr
+    assert "split over data=4" in leader.stderr
     assert "following process 0" in served_group.followers[0].stderr
     question = "What is 123 plus 456?"  # (get_weather: the disk test's question)
     got = tool_loop(leader.url, question)
@@ -81,6 +83,12 @@ def test_the_group_serves_the_tool_loop_as_one_device_does(
     # the tool-result turn continued the live state: the call turn's whole input + output
     assert answer["usage"][2] == call["usage"][0] + call["usage"][1]
     assert leader.stderr.count(LIVE_LINE) == 1
+    # the one conversation's pages lie on one data shard's devices (two are process 1's)
+    m = scrape(leader.url)
+    shards = {ls for n, ls in m.samples if n == "ds4jax:page_shard_bytes"}
+    assert {dict(ls)["shard"] for ls in shards} == {"0", "1", "2", "3"}
+    held = [m.get("ds4jax:page_shard_bytes", shard=str(k)) for k in range(4)]
+    assert sum(b > 0 for b in held) == 1, held
 
 
 #: a system prompt long enough (with the tools) for the store's cold checkpoint (>= 512)
@@ -119,7 +127,7 @@ def test_disk_checkpoints_of_the_group_serve_it_and_one_process(
     assert d("disk_checkpoint_saves_total") >= 1 and d("disk_checkpoint_restores_total") == 1
     assert d("continuation_total", source="disk") == 1 and d("continuation_total") == 2
     assert after.get("ds4jax:disk_checkpoint_bytes") > 0
-    assert after.get("ds4jax:model_config_info", processes="2", mesh="expert=2,tensor=4") == 1
+    assert after.get("ds4jax:model_config_info", processes="2", mesh=GROUP_MESH + ",tensor=1") == 1
     want = ask(demo_served.url, "What's the weather in Lima?")  # one device, cold
     strip = lambda m: [b.model_dump(exclude={"id"}, exclude_none=True) for b in m.content]  # noqa: E731
     assert strip(got) == strip(want)
