@@ -80,6 +80,7 @@ def _load_model(args: argparse.Namespace) -> tuple[Any, Any, Any, Callable[[Any]
     if quant is not None:
         cfg = cfg.replace(quant_sim=quant == "on")
     mesh = placement.mesh
+    jax.set_mesh(mesh)  # this thread's programs: the routed experts expert-parallel on it
     if mesh is None:
         return cfg, params, tokenizer, lambda state: state
     print(f"mesh {dict(mesh.shape)}", file=sys.stderr)

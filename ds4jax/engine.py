@@ -28,6 +28,7 @@ fork points on and `--max-batch` (default 8).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import secrets
@@ -753,8 +754,7 @@ class Engine:
         nxt = self._next_chunk(ticket, limit)
         if nxt is not None:
             end, size = nxt
-            state, _ = prefill(self.params, ticket.state, ticket.tokens[ticket.done_tokens:end],
-                               self.cfg, chunk_sizes=(size,))  # fmt: skip
+            state = self._prefill(ticket.state, ticket.tokens[ticket.done_tokens : end], (size,))
             self._chunk_done(ticket, state, end)
         else:
             self._chunk_done(ticket, ticket.state, ticket.done_tokens)
@@ -912,14 +912,26 @@ class Engine:
         size = len(override)
         args = (override, *sampling, np.int32(self.tokenizer.eos_id))
         if self.pages is None:
-            out = batch_ops.step(self.params, batch, *args, chunk, cfg=self.cfg, size=size)
+            with self._on_mesh():
+                out = batch_ops.step(self.params, batch, *args, chunk, cfg=self.cfg, size=size)
             return out if chunk is not None else (*out, None)
-        out = batch_ops.paged_step(
-            self.params, batch, self.pages.arrays, grid, *args, chunk, cfg=self.cfg, size=size,
-            span=self._batch_span, shards=self.shards,
-        )  # fmt: skip
+        with self._on_mesh():
+            out = batch_ops.paged_step(
+                self.params, batch, self.pages.arrays, grid, *args, chunk, cfg=self.cfg,
+                size=size, span=self._batch_span, shards=self.shards,
+            )  # fmt: skip
         batch, self.pages.arrays, tokens, keys = out[:4]
         return batch, tokens, keys, out[4] if chunk is not None else None
+
+    def _on_mesh(self) -> Any:
+        """The context the model's programs run in: the engine's mesh set, so the routed
+        experts run expert-parallel over it (`sharding.expert_parallel`)."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def _prefill(self, state: Any, tokens: Sequence[int], chunk_sizes: Sequence[int]) -> Any:
+        """`state` grown by `tokens` (`forward.prefill`, on the mesh)."""
+        with self._on_mesh():
+            return prefill(self.params, state, tokens, self.cfg, chunk_sizes=chunk_sizes)[0]
 
     def _grid(self, size: int, stepping: list[int]) -> np.ndarray:
         """The page tables of rows [0, size) for a step, each stepping row's grown by the
@@ -1181,8 +1193,7 @@ class Engine:
         `stall_bound`, each size's mixed step with the smallest chunk too (other chunk sizes
         and spans compile on first use, then come from the persistent cache)."""
         for size in self.chunk_sizes:
-            state, _ = prefill(self.params, self._empty, [self.tokenizer.bos_id] * size, self.cfg,
-                               chunk_sizes=(size,))  # fmt: skip
+            state = self._prefill(self._empty, [self.tokenizer.bos_id] * size, (size,))
             state.logits.block_until_ready()
         # the batched step at every size up to max_batch, on a throwaway batch of the same
         # shapes (rows of the real one may be decoding), and the row insert / extract; with
@@ -1218,8 +1229,8 @@ class Engine:
 
     def logits_for(self, tokens: Sequence[int]) -> np.ndarray:
         """Next-token logits of a cold prefill of `tokens` (fidelity checks)."""
-        state, _ = prefill(self.params, self._fit(self._empty, len(tokens)), list(tokens),
-                           self.cfg, chunk_sizes=self.chunk_sizes)  # fmt: skip
+        state = self._prefill(self._fit(self._empty, len(tokens)), list(tokens),
+                              self.chunk_sizes)  # fmt: skip
         return np.asarray(state.logits)
 
     def reset(self) -> None:

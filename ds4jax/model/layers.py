@@ -19,6 +19,7 @@ from ds4jax.model import quant_sim
 from ds4jax.model.pages import decode_index_rows, decode_rows, encode_index_rows, encode_rows
 from ds4jax.model.quantized import dequantize, expert, matmul
 from ds4jax.model.rope import apply_rope, inv_freqs
+from ds4jax.model.sharding import expert_parallel
 from ds4jax.model.state import LayerState
 
 Params = dict[str, Any]
@@ -394,20 +395,12 @@ def _moe_grouped(cfg: Config, p: Params, x: jax.Array, sel: jax.Array, w: jax.Ar
     return jnp.zeros((T + 1, D), x.dtype).at[token].add(out.reshape(-1, D))[:T]
 
 
-def moe(
-    cfg: Config, p: Params, x: jax.Array, tokens: jax.Array, hashed: bool, rows: bool = False
-) -> jax.Array:
-    """`rows`: the T tokens are one each of T sessions (a batched decode step), not a
-    chunk of one sequence."""
-    T = x.shape[0]
-    k, E = cfg.num_experts_per_tok, cfg.num_experts
-    prob = jnp.sqrt(jax.nn.softplus(linear(x, p["gate"])))  # [T, E]
-    if hashed:
-        sel = p["tid2eid"][tokens]
-    else:
-        _, sel = jax.lax.top_k(prob + p["gate_bias"], k)
-    w = jnp.take_along_axis(prob, sel, axis=-1)
-    w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
+def _routed(cfg: Config, p: Params, x: jax.Array, sel: jax.Array, w: jax.Array,
+            rows: bool) -> jax.Array:  # fmt: skip
+    """The routed experts' weighted sum for tokens `x` (`sel`: each token's experts among
+    `p`'s `cfg.num_experts`, `w` their weights); the way is chosen by the counts."""
+    T, k = sel.shape
+    E = cfg.num_experts
     if rows and 1 < T and T * k <= BATCHED_DECODE_PAIRS:
         routed = _moe_selected_once(cfg, p, x, sel, w)
     elif T * k <= E:  # few tokens (decode): read only the selected experts' weights
@@ -428,13 +421,32 @@ def moe(
     else:
         # A short chunk: every expert over every token as three plain GEMMs, with weight 0
         # where a token is not routed — at these sizes cheaper on XLA:CPU than grouping.
-        F = cfg.moe_intermediate_size
         dense_w = jnp.zeros((T, E), x.dtype).at[jnp.arange(T)[:, None], sel].add(w)
         w1, w3, w2 = (dequantize(p[n], x.dtype) for n in ("w1", "w3", "w2"))
+        F = w1.shape[1]  # this device's share of the width, under `expert_parallel`
         g = linear(x, w1.reshape(E * F, -1)).reshape(T, E, F)
         u = linear(x, w3.reshape(E * F, -1)).reshape(T, E, F)
         h = (_swiglu(cfg, g, u) * dense_w[..., None]).reshape(T, E * F)
         routed = h @ jnp.transpose(w2, (0, 2, 1)).reshape(E * F, -1)
+    return routed
+
+
+def moe(
+    cfg: Config, p: Params, x: jax.Array, tokens: jax.Array, hashed: bool, rows: bool = False
+) -> jax.Array:
+    """`rows`: the T tokens are one each of T sessions (a batched decode step), not a
+    chunk of one sequence."""
+    k = cfg.num_experts_per_tok
+    prob = jnp.sqrt(jax.nn.softplus(linear(x, p["gate"])))  # [T, E]
+    if hashed:
+        sel = p["tid2eid"][tokens]
+    else:
+        _, sel = jax.lax.top_k(prob + p["gate_bias"], k)
+    w = jnp.take_along_axis(prob, sel, axis=-1)
+    w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
+    experts = {n: p[n] for n in ("w1", "w3", "w2")}
+    routed = expert_parallel(lambda e, q, *a: _routed(cfg.replace(num_experts=e), q, *a, rows),
+                             experts, x, sel, w)  # fmt: skip
     out = routed
     if cfg.num_shared_experts:
         out = out + linear(

@@ -14,15 +14,18 @@ from `jax.devices()` (all hosts' devices) exactly as here; every host runs the s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ds4jax.config import Config
 from ds4jax.model.params import Params, param_shapes, path_name
+from ds4jax.model.quantized import QWeight
 
 EXPERT_AXIS = "expert"
 TENSOR_AXIS = "tensor"
@@ -119,6 +122,72 @@ def param_shardings(cfg: Config, mesh: Mesh, rules: ShardingRules | None = None)
         return NamedSharding(mesh, PartitionSpec(*axes))
 
     return jax.tree_util.tree_map_with_path(spec, param_shapes(cfg))
+
+
+def _split_size(sizes: dict[str, int], ax: Any) -> int:
+    """Devices a dimension is split over: one mesh axis, several together, or none (1)."""
+    if ax is None:
+        return 1
+    return int(np.prod([sizes[a] for a in (ax if isinstance(ax, tuple) else (ax,))]))
+
+
+def _expert_spec(name: str, w: Any, sizes: dict[str, int], ffn: bool = True) -> Any:
+    """How the routed experts' weight `name` is split (`mesh_axes`, as `shard_params`
+    places it; without `ffn`, not along the FFN width); for a `QWeight`, a dimension is
+    split only where its values and its exponents both divide (a shard then holds whole
+    blocks)."""
+    keep = [ffn or logical != "ffn" for logical in logical_axes(name, 3)]
+    if not isinstance(w, QWeight):
+        axes = mesh_axes(name, w.shape, sizes)
+        return PartitionSpec(*(ax if k else None for ax, k in zip(axes, keep, strict=True)))
+    q, exp = mesh_axes(name, w.q.shape, sizes), w.exp.shape
+    axes = [ax if k and e % _split_size(sizes, ax) == 0 else None
+            for ax, e, k in zip(q, exp, keep, strict=True)]  # fmt: skip
+    return QWeight(PartitionSpec(*axes), PartitionSpec(*axes), w.block)
+
+
+def expert_parallel(routed: Callable[..., jax.Array], experts: dict[str, Any], x: jax.Array,
+                    sel: jax.Array, w: jax.Array) -> jax.Array:  # fmt: skip
+    """`routed(num_experts, experts, x, sel, w)` — the routed experts' weighted sum for
+    the tokens `x` — run expert-parallel when a mesh is set (`jax.set_mesh`, as the
+    engine does around its programs) and the experts are split on it: each device takes
+    every token (the step's tokens are gathered, small next to the weights), computes the
+    pairs routed to its own experts (the others weigh 0) with its own shard of the FFN
+    width, and the partial sums are added over the devices. Left to itself XLA would
+    gather every expert's weights onto every device for the dynamic expert reads: the
+    whole experts through each device every step. Without a mesh, the plain call."""
+    E = (experts["w1"].q if isinstance(experts["w1"], QWeight) else experts["w1"]).shape[0]
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return routed(E, experts, x, sel, w)
+    sizes = dict(mesh.shape)
+    is_spec = lambda a: isinstance(a, PartitionSpec)  # noqa: E731
+    specs = {n: _expert_spec(n, v, sizes) for n, v in experts.items()}
+    width = {n: jax.tree.leaves(sp, is_leaf=is_spec)[0][2 if n == "w2" else 1]
+             for n, sp in specs.items()}  # fmt: skip
+    if len(set(width.values())) > 1:  # a width split the three do not all take: none
+        specs = {n: _expert_spec(n, v, sizes, ffn=False) for n, v in experts.items()}
+    leaves = jax.tree.leaves(specs, is_leaf=is_spec)
+    split = tuple(dict.fromkeys(
+        a for spec in leaves for ax in spec if ax is not None
+        for a in (ax if isinstance(ax, tuple) else (ax,))
+    ))  # fmt: skip
+    if not split:
+        return routed(E, experts, x, sel, w)
+    by = jax.tree.leaves(specs["w1"], is_leaf=is_spec)[0][0]
+    local = E // _split_size(sizes, by)
+
+    def shard(ex: dict[str, Any], x: jax.Array, sel: jax.Array, w: jax.Array) -> jax.Array:
+        if by is not None:
+            lo = jax.lax.axis_index(by) * local
+            mine = (sel >= lo) & (sel < lo + local)
+            sel, w = jnp.where(mine, sel - lo, 0), jnp.where(mine, w, 0)
+        return jax.lax.psum(routed(local, ex, x, sel, w), split)
+
+    rep = PartitionSpec()
+    # (no varying-axis types: the routed ways' loop carries start as replicated zeros)
+    return jax.shard_map(shard, in_specs=(specs, rep, rep, rep), out_specs=rep,
+                         check_vma=False)(experts, x, sel, w)  # fmt: skip
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

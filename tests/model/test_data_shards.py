@@ -76,11 +76,12 @@ SCRIPT = textwrap.dedent(
         override = np.full(ROWS, -1, np.int32)
         for name, (p, sm, ar, shards) in runs.items():
             args = (p, sm, ar, grid, override, *per_row(step))
-            if step == 0 and shards > 1:
-                hlo = mb.paged_step.lower(*args, cfg=cfg, size=ROWS, span=MAX_LEN,
-                                          shards=shards).compile().as_text()
-            sm, ar, tok, _ = mb.paged_step(*args, cfg=cfg, size=ROWS, span=MAX_LEN,
-                                           shards=shards)
+            with jax.set_mesh(mesh if shards > 1 else None):  # as the engine runs it
+                if step == 0 and shards > 1:
+                    hlo = mb.paged_step.lower(*args, cfg=cfg, size=ROWS, span=MAX_LEN,
+                                              shards=shards).compile().as_text()
+                sm, ar, tok, _ = mb.paged_step(*args, cfg=cfg, size=ROWS, span=MAX_LEN,
+                                               shards=shards)
             runs[name] = (p, sm, ar, shards)
             out[name].append(np.asarray(tok))
     same_tokens = all(np.array_equal(a, b) for a, b in zip(out["one"], out["mesh"]))
@@ -95,14 +96,17 @@ SCRIPT = textwrap.dedent(
     assert pool_equal
     print("shard_step_equal")
     # no collective carries pages: none has the shape of a pool array, a shard's block of
-    # one, or of the rows read through the tables (the experts' weights may move: the MoE
-    # is XLA's to partition over expert)
+    # one, or of the rows read through the tables; nor the routed experts' weights (they
+    # run expert-parallel over data × expert: `sharding.expert_parallel`)
     W = MAX_LEN // 256
     paged = set()
     for a in jax.tree.leaves(arrays):
         tail = a.shape[1:]
         paged |= {a.shape, (SHARDS, LOCAL, *tail), (LOCAL, *tail), (ROWS, W, *tail),
                   (SHARDS, ROWS // SHARDS, W, *tail), (ROWS // SHARDS, W, *tail)}
+    F, D = cfg.moe_intermediate_size, cfg.hidden_size
+    paged |= {(e, *dims) for e in (cfg.num_experts, cfg.num_experts // 4, cfg.num_experts // 2)
+              for dims in ((F, D), (D, F), (F // 2, D), (D, F // 2))}
     moved = []
     for line in hlo.splitlines():
         m = re.search(r"= \w+\[([\d,]*)\][^=]* (all-gather|all-reduce|collective-permute|"

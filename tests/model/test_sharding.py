@@ -13,7 +13,7 @@ from ds4jax.model.sharding import logical_axes
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
-    """
+    r"""
     import jax, numpy as np
     assert len(jax.devices()) == 8, jax.devices()
     from jax.sharding import PartitionSpec
@@ -43,6 +43,29 @@ SCRIPT = textwrap.dedent(
     err = float(np.abs(np.asarray(out) - np.asarray(ref)).max())
     print("max_err", err)
     assert err <= 1e-5, err
+    # with the mesh set (as the engine and the CLI run their programs) the routed experts
+    # run expert-parallel (`sharding.expert_parallel`): the same logits, and no collective
+    # of the compiled chunk carries an expert's weights — only tokens and partial sums
+    import re
+    from ds4jax.model.forward import forward_chunk
+
+    with jax.set_mesh(mesh):
+        _, out = prefill(sharded, state, toks, cfg, chunk_sizes=(16,), all_logits=True)
+        hlo = forward_chunk.lower(sharded, state, toks[:16], np.int32(16), cfg=cfg,
+                                  all_logits=True).compile().as_text()
+    err = float(np.abs(np.asarray(out) - np.asarray(ref)).max())
+    print("ep_max_err", err)
+    assert err <= 1e-5, err
+    # an expert's [F, D] or [D, F] weights, whole or a tensor shard's, in any stack of them
+    F, D = cfg.moe_intermediate_size, cfg.hidden_size
+    expert_dims = {(F, D), (D, F), (F // 4, D), (D, F // 4)}
+    moved = [line.strip()[:160] for line in hlo.splitlines()
+             if (m := re.search(r"= \w+\[([\d,]*)\][^=]* (all-gather|all-reduce|all-to-all|"
+                                r"collective-permute)", line))
+             and tuple(int(d) for d in m.group(1).split(",") if d)[-2:] in expert_dims
+             and m.group(1).count(",") == 2]
+    assert not moved, moved
+    assert "all-reduce" in hlo  # the partial sums
 
     # the batched decode step: two rows, sharded params, the same tokens and logits
     import jax.numpy as jnp
