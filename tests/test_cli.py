@@ -139,3 +139,38 @@ def test_every_command_prints_its_help(command: str, capsys) -> None:
         cli.main([command, "--help"])
     assert done.value.code == 0
     assert "usage: ds4jax" in capsys.readouterr().out
+
+
+def readme_commands() -> list[list[str]]:
+    """Every `ds4jax …` command in the README's shell blocks, continuation lines joined and
+    shell variables (`A="…"`) expanded; placeholders (N, I) stand for small numbers."""
+    import re
+    import shlex
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    commands = []
+    for block in re.findall(r"```sh\n(.*?)```", text, re.S):
+        env: dict[str, str] = {}
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" # ")[0].strip().rstrip("&").strip()
+            if m := re.fullmatch(r'(?:export )?(\w+)="?([^"]*)"?', line):
+                env[m.group(1)] = m.group(2)
+                continue
+            for name, value in env.items():
+                line = line.replace("$" + name, value)
+            if line.startswith("ds4jax "):
+                words = shlex.split(line)[1:]
+                commands.append([{"N": "2", "I": "0"}.get(w, w) for w in words])
+    return commands
+
+
+def test_every_readme_command_parses() -> None:
+    """The README's commands use flags the CLI has (a renamed flag fails here, not for a
+    reader on a TPU VM)."""
+    commands = readme_commands()
+    assert len(commands) >= 8 and any("--coordinator" in c for c in commands)
+    for words in commands:
+        try:
+            cli.build_parser().parse_args(words)
+        except SystemExit as err:
+            raise AssertionError(f"ds4jax {' '.join(words)}: refused") from err
