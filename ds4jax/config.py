@@ -121,6 +121,13 @@ class Config:
     def layer_kind(self, layer: int) -> str:
         return self.attn_types[layer]
 
+    def mtp_block(self) -> Config:
+        """The multi-token-prediction block (spec §2.9, `mtp.0.*`) seen as a one-layer
+        model: its compress ratio is 0 (sliding-window attention only: no compressor, no
+        indexer, plain RoPE) and it routes by learned scores (no tid2eid)."""
+        return dataclasses.replace(self, num_layers=1, compress_ratios=(0,),
+                                   attn_types=("sliding",), hash_layers=(False,))  # fmt: skip
+
     def replace(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
 

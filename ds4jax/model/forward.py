@@ -84,16 +84,64 @@ def run_layers(
     X = jnp.broadcast_to(x[:, None, :], (T, cfg.hc_mult, cfg.hidden_size))
     layers = []
     for i, (lp, ls) in enumerate(zip(params["layers"], layer_states, strict=True)):
-        y, post, comb = hc_pre(cfg, X, lp["hc_attn_fn"], lp["hc_attn_scale"], lp["hc_attn_base"])
-        # resident FP8 weights are expanded here, a layer at a time; FP4 experts one by one
-        a, ls = attend(i, dense(lp["attn"]), ls, rmsw(y, lp["attn_norm"], cfg.rms_eps))
-        X = hc_post(a, X, post, comb)
-        y, post, comb = hc_pre(cfg, X, lp["hc_ffn_fn"], lp["hc_ffn_scale"], lp["hc_ffn_base"])
-        f = moe(cfg, dense(lp["ffn"], keep=EXPERT_KEYS), rmsw(y, lp["ffn_norm"], cfg.rms_eps),
-                tokens, cfg.hash_layers[i], rows)  # fmt: skip
-        X = hc_post(f, X, post, comb)
+        X, ls = block(cfg, i, lp, ls, X, tokens, attend, rows)
         layers.append(ls)
     return X, layers
+
+
+def block(cfg: Config, i: int, lp: Params, ls: Any, X: jax.Array, tokens: jax.Array,
+          attend: Callable[[int, Params, Any, jax.Array], tuple[jax.Array, Any]],
+          rows: bool = False) -> tuple[jax.Array, Any]:  # fmt: skip
+    """Layer `i` (§2.4–2.7): attention, then the MoE, each between its hyper-connection
+    mixes; (streams [T, hc, D] after it, its new state)."""
+    y, post, comb = hc_pre(cfg, X, lp["hc_attn_fn"], lp["hc_attn_scale"], lp["hc_attn_base"])
+    # resident FP8 weights are expanded here, a layer at a time; FP4 experts one by one
+    a, ls = attend(i, dense(lp["attn"]), ls, rmsw(y, lp["attn_norm"], cfg.rms_eps))
+    X = hc_post(a, X, post, comb)
+    y, post, comb = hc_pre(cfg, X, lp["hc_ffn_fn"], lp["hc_ffn_scale"], lp["hc_ffn_base"])
+    f = moe(cfg, dense(lp["ffn"], keep=EXPERT_KEYS), rmsw(y, lp["ffn_norm"], cfg.rms_eps),
+            tokens, cfg.hash_layers[i], rows)  # fmt: skip
+    return hc_post(f, X, post, comb), ls
+
+
+@partial(jax.jit, static_argnames=("cfg", "depth"))
+def mtp_chunk(
+    params: Params,
+    H: jax.Array,
+    tokens: jax.Array,
+    state: Any,
+    n: jax.Array,
+    n_valid: jax.Array,
+    *,
+    cfg: Config,
+    depth: int = 0,
+) -> tuple[jax.Array, jax.Array, Any]:
+    """The multi-token-prediction block `mtp.{depth}` (§2.9) over a chunk at positions
+    n…: `H` [T, hc, D], the streams after the model's last layer (before its `hc_head`)
+    at those positions, and `tokens` [T], the token after each, give the draft logits
+    [T, vocab] for the position after that token. Input: `e_proj(enorm(embed(token)))`
+    added to every stream of `h_proj(hnorm(H))`; then one block as a sliding-window layer
+    (`Config.mtp_block`) over its own window `state` (a `LayerState` of that config, which
+    rewinds as the model's does), its own `hc_head` and `norm`, and the model's head.
+    Returns (logits, the block's streams — a second draft chains on them — and the new
+    window state)."""
+    mcfg, mp = cfg.mtp_block(), params["mtp"][depth]
+    T = tokens.shape[0]
+    n = jnp.asarray(n, jnp.int32)
+    n_valid = jnp.asarray(n_valid, jnp.int32)
+    positions = n + jnp.arange(T, dtype=jnp.int32)
+    e = rmsw(params["embed"][tokens].astype(jnp.float32), mp["enorm"], cfg.rms_eps)
+    X = linear(e, mp["e_proj"])[:, None, :] + linear(rmsw(H, mp["hnorm"], cfg.rms_eps),
+                                                     mp["h_proj"])  # fmt: skip
+
+    def attend(i: int, p: Params, ls: Any, y: jax.Array) -> tuple[jax.Array, Any]:
+        return attention(mcfg, i, p, ls, y, positions, n, n_valid)
+
+    X, state = block(mcfg, 0, mp, state, X, tokens, attend)
+    head = {"head": params["head"]} | {
+        k: mp[k] for k in ("norm", "hc_head_fn", "hc_head_base", "hc_head_scale")
+    }
+    return logits_of(head, cfg, X), X, state
 
 
 #: the batched decode steps' row counts (`model.batch.BATCH_SIZES` past 1, plus the one

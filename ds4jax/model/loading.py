@@ -75,14 +75,15 @@ def assemble(
     read: Callable[[str], np.ndarray],
     dtype: Any = jnp.float32,
     ignore: Callable[[str], bool] = names.is_ignored,
+    mtp_layers: int = 0,
 ) -> Params:
-    """Build the pytree leaf by leaf with `read(name)`; check shapes; reject leftovers."""
-    shapes = param_shapes(cfg, dtype)
+    """Build the pytree leaf by leaf with `read(name)`; check shapes; reject leftovers.
+    `mtp_layers`: the multi-token-prediction blocks read too (`params["mtp"]`)."""
+    shapes = param_shapes(cfg, dtype, mtp_layers)
 
     def load(path: tuple, leaf: jax.ShapeDtypeStruct) -> jax.Array:
         p = path_name(path)
-        rest = p.split(".", 2)[-1] if p.startswith("layers.") else p
-        if rest in names.EXPERT_LEAVES:
+        if names.split_block(p)[1] in names.EXPERT_LEAVES:
             parts = [
                 read(_first(src, names.expert_candidates(p, e), f"{p}[expert {e}]"))
                 for e in range(cfg.num_experts)

@@ -56,22 +56,45 @@ _LAYER = {
 #: Routed experts are stored one tensor per expert and stacked on load.
 EXPERT_LEAVES = {"ffn.w1": "w1", "ffn.w2": "w2", "ffn.w3": "w3"}
 
+#: the MTP block's own leaves (`mtp.D.` then the name; the rest of it is named as a layer)
+_MTP = {
+    "e_proj": "e_proj.weight",
+    "h_proj": "h_proj.weight",
+    "enorm": "enorm.weight",
+    "hnorm": "hnorm.weight",
+    "norm": "norm.weight",
+    "hc_head_fn": "hc_head_fn",
+    "hc_head_base": "hc_head_base",
+    "hc_head_scale": "hc_head_scale",
+}
+
+
+def split_block(path: str) -> tuple[str, str]:
+    """(`layers.L` or `mtp.D`, the path inside it) for a block's leaf; ("", path) else."""
+    if path.startswith(("layers.", "mtp.")):
+        kind, index, rest = path.split(".", 2)
+        return f"{kind}.{index}", rest
+    return "", path
+
 
 def candidates(path: str) -> list[str]:
     """Checkpoint names for a leaf path like `layers.3.attn.wq_a` (not for experts)."""
     if path in _SIMPLE:
         return list(_SIMPLE[path])
-    _, layer, rest = path.split(".", 2)
+    block, rest = split_block(path)
+    if block.startswith("mtp.") and rest in _MTP:
+        return [f"{block}.{_MTP[rest]}"]
     names = _LAYER[rest].split("|")
-    return [f"{pre}layers.{layer}.{n}" for n in names for pre in ("", "model.")]
+    return [f"{pre}{block}.{n}" for n in names for pre in ("", "model.")]
 
 
 def expert_candidates(path: str, expert: int) -> list[str]:
-    _, layer, rest = path.split(".", 2)
+    block, rest = split_block(path)
     w = EXPERT_LEAVES[rest]
-    return [f"{pre}layers.{layer}.ffn.experts.{expert}.{w}.weight" for pre in ("", "model.")]
+    return [f"{pre}{block}.ffn.experts.{expert}.{w}.weight" for pre in ("", "model.")]
 
 
 def is_ignored(name: str) -> bool:
-    """Tensors a checkpoint may carry that the model does not use (MTP drafts)."""
+    """Tensors a checkpoint may carry that the model does not use (MTP drafts, unless
+    asked for: `load_official_checkpoint(mtp=True)`)."""
     return name.startswith(("mtp.", "model.mtp."))

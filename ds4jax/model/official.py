@@ -95,6 +95,8 @@ FP8_LEAVES = frozenset(
         "ffn.shared_w1",
         "ffn.shared_w2",
         "ffn.shared_w3",
+        "e_proj",  # the MTP block's input projections (`mtp.D.`)
+        "h_proj",
     }
 )
 
@@ -416,6 +418,7 @@ def load_official_checkpoint(
     quant_sim: bool | None = None,
     workers: int | None = None,
     resident: Collection[str] = (),
+    mtp: bool = False,
 ) -> tuple[Config, Params]:
     """An official release directory → (config, params), dequantized at load to `dtype`.
 
@@ -424,19 +427,25 @@ def load_official_checkpoint(
     `workers`: threads dequantizing routed experts ahead (default min(8, CPUs); 1 = none).
     `resident`: the kinds ("fp8", "fp4") that stay in their formats
     (`model.quantized.QWeight`, `--weights fp8` / `fp4-experts`), expanded inside the step;
-    the rest is `dtype`.
+    the rest is `dtype`. `mtp`: the release's multi-token-prediction blocks too
+    (`num_nextn_predict_layers` of them, as `params["mtp"]`; issue 29).
     Any missing, unknown, mis-shaped or malformed tensor is a `CheckpointError` naming it."""
     directory = Path(directory)
     cfg = cfg or load_config(directory)
     if quant_sim is not None:
         cfg = cfg.replace(quant_sim=quant_sim)
-    qc = _read_release_config(directory).get("quantization_config") or {}
+    release = _read_release_config(directory)
+    qc = release.get("quantization_config") or {}
     block = tuple(int(b) for b in qc.get("weight_block_size", FP8_BLOCK))
     if len(block) != 2:
         raise CheckpointError(f"{directory}: weight_block_size {block} is not 2-D")
+    mtp_layers = int(release.get("num_nextn_predict_layers") or 0)
+    if mtp and not mtp_layers:
+        raise CheckpointError(f"{directory}: the release has no MTP block "
+                              "(num_nextn_predict_layers is 0)")  # fmt: skip
     src = open_source(directory)
     with OfficialReader(src, dtype, block, workers, resident) as read:
-        return cfg, assemble(cfg, src, read, dtype)
+        return cfg, assemble(cfg, src, read, dtype, mtp_layers=mtp_layers if mtp else 0)
 
 
 # ---------------------------------------------------------------------------- writing
@@ -517,7 +526,7 @@ def _entries(
 def leaf_kind(path: str, fp8_head: bool = False) -> str:
     """How the release stores a parameter (by its params path): "fp4" (routed experts),
     "fp8" (block-scaled linears), "int" (tid2eid) or "bf16" (the rest)."""
-    rest = path.split(".", 2)[-1] if path.startswith("layers.") else path
+    rest = names.split_block(path)[1]
     if rest in names.EXPERT_LEAVES:
         return "fp4"
     if rest in FP8_LEAVES or (path == "head" and fp8_head):
@@ -558,7 +567,7 @@ def write_official_checkpoint(
     if directory.exists() and not force and any(directory.glob("*.safetensors")):
         raise FileExistsError(f"{directory} already holds a checkpoint (pass force=True)")
     directory.mkdir(parents=True, exist_ok=True)
-    config = release_config(cfg)
+    config = release_config(cfg, mtp_layers=len(params.get("mtp", ())) or 1)
     entries = _entries(params, cfg, fp8_head, fp8_linears)
     shards: list[list[tuple[str, str, Any, int]]] = [[]]
     size = 0

@@ -69,8 +69,10 @@ def _ffn_shapes(cfg: Config, layer: int) -> dict[str, Any]:
     return f
 
 
-def param_shapes(cfg: Config, dtype: Any = jnp.float32) -> Params:
-    """The pytree of `jax.ShapeDtypeStruct`s. tid2eid is int32 whatever `dtype` is."""
+def param_shapes(cfg: Config, dtype: Any = jnp.float32, mtp_layers: int = 0) -> Params:
+    """The pytree of `jax.ShapeDtypeStruct`s. tid2eid is int32 whatever `dtype` is. With
+    `mtp_layers`, the release's multi-token-prediction blocks under `mtp` (a checkpoint
+    that ships them; the model's own forward never reads them)."""
     D, hc = cfg.hidden_size, cfg.hc_mult
     mix = (2 + hc) * hc
 
@@ -81,32 +83,30 @@ def param_shapes(cfg: Config, dtype: Any = jnp.float32) -> Params:
             return jax.ShapeDtypeStruct(tree[0], tree[1])
         return jax.ShapeDtypeStruct(tree, dtype)
 
-    layers = []
-    for i in range(cfg.num_layers):
-        layers.append(
-            {
-                "attn_norm": (D,),
-                "ffn_norm": (D,),
-                "hc_attn_fn": (mix, hc * D),
-                "hc_attn_base": (mix,),
-                "hc_attn_scale": (3,),
-                "hc_ffn_fn": (mix, hc * D),
-                "hc_ffn_base": (mix,),
-                "hc_ffn_scale": (3,),
-                "attn": _attn_shapes(cfg, i),
-                "ffn": _ffn_shapes(cfg, i),
-            }
-        )
-    tree = {
-        "embed": (cfg.vocab_size, D),
-        "head": (cfg.vocab_size, D),
-        "norm": (D,),
-        "hc_head_fn": (hc, hc * D),
-        "hc_head_base": (hc,),
-        "hc_head_scale": (1,),
-    }
+    def layer(cfg: Config, i: int) -> dict[str, Any]:
+        return {
+            "attn_norm": (D,),
+            "ffn_norm": (D,),
+            "hc_attn_fn": (mix, hc * D),
+            "hc_attn_base": (mix,),
+            "hc_attn_scale": (3,),
+            "hc_ffn_fn": (mix, hc * D),
+            "hc_ffn_base": (mix,),
+            "hc_ffn_scale": (3,),
+            "attn": _attn_shapes(cfg, i),
+            "ffn": _ffn_shapes(cfg, i),
+        }
+
+    head = {"norm": (D,), "hc_head_fn": (hc, hc * D), "hc_head_base": (hc,), "hc_head_scale": (1,)}
+    tree = {"embed": (cfg.vocab_size, D), "head": (cfg.vocab_size, D), **head}
     out = leafify(tree)
-    out["layers"] = tuple(leafify(layer) for layer in layers)
+    out["layers"] = tuple(leafify(layer(cfg, i)) for i in range(cfg.num_layers))
+    if mtp_layers:
+        # §2.9: the next token's embedding and the last layer's streams in, one block, its
+        # own hyper-connection head and norm; the embedding and head are the model's
+        mtp = {**layer(cfg.mtp_block(), 0), **head,
+               "e_proj": (D, D), "h_proj": (D, D), "enorm": (D,), "hnorm": (D,)}  # fmt: skip
+        out["mtp"] = tuple(leafify(mtp) for _ in range(mtp_layers))
     return out
 
 
@@ -117,7 +117,7 @@ def _init_leaf(
     if leaf == "tid2eid":  # distinct experts per token, as a trained table has
         keys = rng.random((shape[0], cfg.num_experts))
         return np.argsort(keys, axis=1)[:, : shape[1]].astype(np.int32)
-    if leaf in ("attn_norm", "ffn_norm", "q_norm", "kv_norm", "norm"):
+    if leaf in ("attn_norm", "ffn_norm", "q_norm", "kv_norm", "norm", "enorm", "hnorm"):
         out = 1.0 + 0.1 * rng.standard_normal(shape)
     elif leaf.endswith("_scale"):
         out = 0.5 + 0.5 * rng.random(shape)
@@ -130,12 +130,13 @@ def _init_leaf(
     return np.asarray(out, dtype=np.float32)
 
 
-def init_params(cfg: Config, seed: int = 0, dtype: Any = jnp.float32) -> Params:
+def init_params(cfg: Config, seed: int = 0, dtype: Any = jnp.float32,
+                mtp_layers: int = 0) -> Params:  # fmt: skip
     """Deterministic random weights: the same (cfg, seed) gives the same params on any
     machine and device count. Each leaf has its own generator seeded from (seed, leaf path),
     so adding a layer does not change the others. NumPy, not jax.random: no compile per
     leaf shape, which made startup of the embedded model slow."""
-    shapes = param_shapes(cfg, dtype)
+    shapes = param_shapes(cfg, dtype, mtp_layers)
 
     def make(path: tuple, leaf: jax.ShapeDtypeStruct) -> jax.Array:
         name = path_name(path)

@@ -83,11 +83,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def build(name: str, directory: Path, seed: int = 0):
+def build(name: str | dict[str, Any], directory: Path, seed: int = 0):
+    """`name`: one of `CONFIGS`, or a config of its own."""
     import torch
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    cfg = DeepseekV4Config(**CONFIGS[name])
+    cfg = DeepseekV4Config(**(CONFIGS[name] if isinstance(name, str) else name))
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(cfg).eval()
     g = torch.Generator().manual_seed(seed + 1)
