@@ -26,7 +26,7 @@ from ds4jax.model.state import DecodeState
 CHUNK_SIZES: tuple[int, ...] = (16, 64, 256, 512)
 
 
-@partial(jax.jit, static_argnames=("cfg", "all_logits"))
+@partial(jax.jit, static_argnames=("cfg", "all_logits", "streams"))
 def forward_chunk(
     params: Params,
     state: DecodeState,
@@ -35,10 +35,12 @@ def forward_chunk(
     *,
     cfg: Config,
     all_logits: bool = False,
-) -> tuple[DecodeState, jax.Array]:
+    streams: bool = False,
+) -> tuple[DecodeState, jax.Array] | tuple[DecodeState, jax.Array, jax.Array]:
     """Evaluate `tokens[:n_valid]` at positions state.pos…; returns (new state, logits):
     logits [T, vocab] for every chunk position when `all_logits`, else the next-token
-    logits [vocab] (also stored in the state)."""
+    logits [vocab] (also stored in the state). `streams`: also the hyper-connection
+    streams after the last layer [T, hc, D] (what the MTP block reads, `mtp_chunk`)."""
     T = tokens.shape[0]
     n = state.pos
     n_valid = jnp.asarray(n_valid, jnp.int32)
@@ -59,7 +61,7 @@ def forward_chunk(
         last = head(jax.lax.dynamic_slice_in_dim(X, n_valid - 1, 1))[0]
         logits = last
     new = DecodeState(layers=tuple(layers), pos=n + n_valid, logits=last.astype(jnp.float32))
-    return new, logits
+    return (new, logits, X) if streams else (new, logits)
 
 
 #: the routed experts' keys in a layer's `ffn` params: expanded one expert at a time
