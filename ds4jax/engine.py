@@ -77,7 +77,7 @@ from ds4jax.interleave import TickCosts, chunk_limit
 from ds4jax.kvstore.background import BackgroundSaves
 from ds4jax.kvstore.host import HostState, to_host
 from ds4jax.kvstore.page_store import PageStore
-from ds4jax.kvstore.pages import OutOfPages, PageTable, pages_for
+from ds4jax.kvstore.pages import OutOfPages, PageTable, pages_for, shard_for
 from ds4jax.kvstore.store import KVStore, NoStore
 from ds4jax.model import batch as batch_ops
 from ds4jax.model.forward import CHUNK_SIZES, plan_chunks, prefill
@@ -568,13 +568,11 @@ class Engine:
             assert row is not None  # reserved at admission
             return row, 0, base
         pool = self.pages.pool
-        free = [s for s in range(self.shards) if self._free_row(s) is not None]
-        if isinstance(base, PagedFrontier) and pool.table_shard(base.table) in free:
-            shard = pool.table_shard(base.table)
-        else:
-            shard = max(free, key=lambda s: (pool.free_in(s), -s))
-            if isinstance(base, PagedFrontier):
-                self.shard_moves += 1
+        home = pool.table_shard(base.table) if isinstance(base, PagedFrontier) else None
+        rows = [sum(self._rows[r] is None for r in self._shard_rows(s)) for s in range(self.shards)]
+        shard = shard_for(home, rows, [pool.free_in(s) for s in range(self.shards)])
+        if home is not None and shard != home:
+            self.shard_moves += 1
             base = None
         return self._free_row(shard), shard, base
 

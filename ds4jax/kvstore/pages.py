@@ -40,6 +40,19 @@ def pages_for(tokens: int) -> int:
     return -(-tokens // PAGE_TOKENS)
 
 
+def shard_for(base: int | None, free_rows: list[int], free_pages: list[int]) -> int:
+    """The data shard a prompt's row and frontier go to (issue 28): `base`'s — the shard
+    holding the pages it grows from: its session's live state for a tool turn, a fork
+    point's — while that shard has a free row, so a turn continues where its session is;
+    else, of the shards with a free row, the one with the most free pages (the first on a
+    tie), the base's pages then written again there. At least one shard has a free row
+    (admission reserved one)."""
+    if base is not None and free_rows[base] > 0:
+        return base
+    open_ = [s for s, rows in enumerate(free_rows) if rows > 0]
+    return max(open_, key=lambda s: (free_pages[s], -s))
+
+
 class OutOfPages(RuntimeError):
     """The pool cannot give the pages asked for; nothing was changed."""
 

@@ -10,7 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ds4jax.kvstore.pages import NULL_PAGE, PAGE_TOKENS, OutOfPages, PagePool, PageTable, pages_for
+from ds4jax.kvstore.pages import (
+    NULL_PAGE,
+    PAGE_TOKENS,
+    OutOfPages,
+    PagePool,
+    PageTable,
+    pages_for,
+    shard_for,
+)
 
 
 def test_pages_for_counts_partial_pages() -> None:
@@ -253,3 +261,24 @@ def test_a_full_page_is_substituted_by_an_identical_held_one() -> None:
     for t in (a, shared):
         pool.release(t)
     assert pool.used == 0
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 50)), min_size=1, max_size=6),
+    st.data(),
+)
+def test_a_turn_goes_to_its_sessions_shard_while_it_has_a_row(shards, data) -> None:
+    """`shard_for` (issue 28): a tool turn (its base on `home`) never lands on a shard
+    without a free row; it stays on its session's shard while that has one; otherwise it
+    goes to the shard with a free row and the most free pages."""
+    rows = [r for r, _ in shards]
+    pages = [p for _, p in shards]
+    if not any(rows):
+        rows[data.draw(st.integers(0, len(rows) - 1))] = 1  # admission reserved a row
+    home = data.draw(st.none() | st.integers(0, len(rows) - 1))
+    got = shard_for(home, rows, pages)
+    assert rows[got] > 0
+    if home is not None and rows[home] > 0:
+        assert got == home
+    else:
+        assert pages[got] == max(p for r, p in zip(rows, pages, strict=True) if r > 0)
