@@ -137,9 +137,9 @@ class PagePool:
         return self.shard_of(table.pages[0]) if table.pages else default
 
     def place(self) -> int:
-        """The shard a new frontier should go to: the one with the most free pages (the
-        first of them on a tie)."""
-        return max(range(self.shards), key=lambda s: (len(self._free_by[s]), -s))
+        """The shard a new frontier should go to (`shard_for` with no base, a row free on
+        every shard): the one with the most free pages, the first of them on a tie."""
+        return shard_for(None, [1] * self.shards, [self.free_in(s) for s in range(self.shards)])
 
     def extend(self, pages: int) -> None:
         """`pages` more pages (ids from `num_pages` on): a pool grows with the tokens held,
