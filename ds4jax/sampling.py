@@ -134,6 +134,29 @@ def keep_rows(z, top_k, top_p, min_p) -> jax.Array:
     )
 
 
+def _kept(z: jax.Array, greedy: jax.Array, top_k: jax.Array, top_p: jax.Array,
+          min_p: jax.Array) -> jax.Array:  # fmt: skip
+    """The kept mask [B, V] of temperature-scaled logits `z`. The work follows what the
+    batch asks for: temperature and min-p alone need no ranking (the default of `ds4jax
+    serve`); only top-k or top-p rank candidates (`keep_rows`). Greedy rows filter nothing,
+    so they never ask for ranking or the sorted fallback."""
+    k = jnp.where(greedy, 0, top_k)
+    p = jnp.where(greedy, 1.0, top_p)
+    m = jnp.where(greedy, 0.0, min_p)
+
+    def unranked() -> jax.Array:
+        probs = jax.nn.softmax(z)
+        top = jnp.max(probs, axis=-1, keepdims=True)
+        return jnp.where((m > 0.0)[:, None], probs >= m[:, None] * top, True)
+
+    ranked = jnp.any((k > 0) | (p < 1.0))
+    return jax.lax.cond(ranked, lambda: keep_rows(z, k, p, m), unranked)
+
+
+def _scaled(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+    return logits / jnp.where(temperature <= 0, 1.0, temperature)[:, None]
+
+
 def sample_rows(
     logits: jax.Array,
     keys: jax.Array,
@@ -141,30 +164,48 @@ def sample_rows(
     top_k: jax.Array,
     top_p: jax.Array,
     min_p: jax.Array,
+    ban: jax.Array | None = None,
 ) -> jax.Array:
     """One token per row [B] (int32); a row with temperature ≤ 0 is greedy. Jittable: every
-    parameter is a per-row array. The work follows what the batch asks for: all greedy is an
-    argmax; temperature and min-p alone need no ranking (the default of `ds4jax serve`);
-    only top-k or top-p rank candidates (`keep_rows`)."""
+    parameter is a per-row array. All greedy is an argmax. `ban` [B] (−1: none): a token a
+    sampled row may not draw — the distribution renormalized without it, which is what a
+    rejected speculative draft leaves (`model.speculative`); a greedy row ignores it (its
+    rejected draft is never its argmax)."""
     logits = logits.astype(jnp.float32)
     greedy = temperature <= 0
     best = argmax(logits)
 
     def drawn() -> jax.Array:
-        z = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-        # greedy rows filter nothing, so they never ask for ranking or the sorted fallback
-        k = jnp.where(greedy, 0, top_k)
-        p = jnp.where(greedy, 1.0, top_p)
-        m = jnp.where(greedy, 0.0, min_p)
-
-        def unranked() -> jax.Array:
-            probs = jax.nn.softmax(z)
-            top = jnp.max(probs, axis=-1, keepdims=True)
-            return jnp.where((m > 0.0)[:, None], probs >= m[:, None] * top, True)
-
-        ranked = jnp.any((k > 0) | (p < 1.0))
-        mask = jax.lax.cond(ranked, lambda: keep_rows(z, k, p, m), unranked)
+        z = _scaled(logits, temperature)
+        mask = _kept(z, greedy, top_k, top_p, min_p)
+        if ban is not None:
+            ids = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
+            mask &= ids != ban[:, None]
         tokens = jax.vmap(jax.random.categorical)(keys, jnp.where(mask, z, -jnp.inf))
         return jnp.where(greedy, best, tokens).astype(jnp.int32)
 
     return jax.lax.cond(jnp.all(greedy), lambda: best, drawn)
+
+
+def prob_rows(
+    logits: jax.Array,
+    tokens: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    min_p: jax.Array,
+) -> jax.Array:
+    """The probability [B] that `sample_rows` draws each row's `tokens[row]`: under the
+    filtered, temperature-scaled distribution, or 1/0 (the argmax or not) for a greedy
+    row. A speculative draft is accepted with this probability."""
+    logits = logits.astype(jnp.float32)
+    greedy = temperature <= 0
+    hit = (argmax(logits) == tokens).astype(jnp.float32)
+
+    def drawn() -> jax.Array:
+        z = _scaled(logits, temperature)
+        probs = jax.nn.softmax(jnp.where(_kept(z, greedy, top_k, top_p, min_p), z, -jnp.inf))
+        p = jnp.take_along_axis(probs, tokens[:, None], axis=-1)[:, 0]
+        return jnp.where(greedy, hit, p)
+
+    return jax.lax.cond(jnp.all(greedy), lambda: hit, drawn)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds4jax.sampling import NUCLEUS_CANDIDATES, argmax, nucleus, sample
+from ds4jax.sampling import NUCLEUS_CANDIDATES, argmax, nucleus, sample, sample_rows
 
 V = 129280
 
@@ -89,3 +89,35 @@ def test_argmax_on_a_vocabulary_row_and_a_batch() -> None:
     z[2, [17, 90000]] = 9.0  # a tie: the first wins
     assert np.array_equal(np.asarray(_argmax(jnp.asarray(z))), np.argmax(z, axis=-1))
     assert int(_argmax(jnp.asarray(z[2]))) == 17
+
+
+@pytest.mark.parametrize("filters", [dict(), dict(top_k=5), dict(top_p=0.8, min_p=0.05)])
+def test_a_kept_or_rejected_draft_leaves_the_rows_distribution(filters) -> None:
+    """Speculative decoding's rejection step (`model.speculative.verify_rows`) with a
+    point-mass draft d: keep d with `prob_rows`' probability, else draw with d banned. The
+    token that comes out is distributed as `sample_rows` draws it, for a likely draft, an
+    unlikely one and one the filters drop (40,000 draws; 4σ ≤ 0.01)."""
+    from ds4jax.sampling import prob_rows
+
+    logits = jnp.asarray([2.0, 1.5, 1.0, 0.2, -0.5, -1.0, 0.7, 1.2])
+    B = 40_000
+    rows = jnp.broadcast_to(logits, (B, logits.shape[0]))
+    args = (
+        jnp.full(B, 0.9, jnp.float32),
+        jnp.full(B, filters.get("top_k", 0), jnp.int32),
+        jnp.full(B, filters.get("top_p", 1.0), jnp.float32),
+        jnp.full(B, filters.get("min_p", 0.0), jnp.float32),
+    )
+    keys = jax.random.split(jax.random.key(3), 2 * B)
+    want = np.bincount(np.asarray(sample_rows(rows, keys[:B], *args)), minlength=8) / B
+    for d in (0, 2, 5):
+        draft = jnp.full(B, d, jnp.int32)
+        p = prob_rows(rows, draft, *args)
+        u = jax.vmap(jax.random.uniform)(jax.random.split(jax.random.key(d), B))
+        kept = u < p
+        y = sample_rows(rows, keys[B:], *args, ban=jnp.where(kept, -1, draft))
+        out = np.asarray(jnp.where(kept, draft, y))
+        got = np.bincount(out, minlength=8) / B
+        assert np.abs(got - want).max() < 0.01, (d, got, want)
+        if float(p[0]) == 0.0:
+            assert not np.any(out == d)  # a filtered-out draft is never kept

@@ -78,6 +78,37 @@ def extract(batch: DecodeState, row: jax.Array) -> DecodeState:
 Chunk = tuple[DecodeState, jax.Array, jax.Array]
 
 
+def row_attention(cfg: Config, n: jax.Array, valid: jax.Array, T: int) -> Any:
+    """Attention for T consecutive tokens of each of B rows (y [B·T, D], row-major): each
+    row's chunk at its own positions n[row]…, of which the first `valid[row]` are real —
+    `forward_chunk`'s attention, per row (`vmap`)."""
+
+    def attend_rows(i: int, p: Params, ls, y: jax.Array):
+        def one(ls_r, y_r, n_r, v_r):
+            positions = n_r + jnp.arange(T, dtype=jnp.int32)
+            return attention(cfg, i, p, ls_r, y_r, positions, n_r, v_r)
+
+        out, ls = jax.vmap(one)(ls, y.reshape(n.shape[0], T, y.shape[-1]), n, valid)
+        return out.reshape(-1, out.shape[-1]), ls
+
+    return attend_rows
+
+
+def forward_rows_chunks(params: Params, rows: DecodeState, tokens: jax.Array,
+                        valid: jax.Array, cfg: Config,
+                        ) -> tuple[Any, jax.Array, jax.Array]:  # fmt: skip
+    """T tokens for each of B rows (`tokens` [B, T], the first `valid[row]` real): a
+    speculative step's verification (`model.speculative`), the B·T tokens going through the
+    MoE and the head together as `forward_rows`' B do. Returns (the rows' layer states
+    with every valid token written, logits [B, T, vocab], streams [B, T, hc, D]); the
+    caller sets each row's length and logits (where it accepted up to)."""
+    B, T = tokens.shape
+    attend = row_attention(cfg, rows.pos, valid.astype(jnp.int32), T)
+    X, layers = run_layers(params, cfg, tokens.reshape(-1), rows.layers, attend, rows=True)
+    logits = logits_of(params, cfg, X).astype(jnp.float32)
+    return tuple(layers), logits.reshape(B, T, -1), X.reshape(B, T, *X.shape[1:])
+
+
 def forward_rows(params: Params, rows: DecodeState, tokens: jax.Array, cfg: Config,
                  chunk: Chunk | None = None, valid: jax.Array | None = None,
                  ) -> tuple[DecodeState, DecodeState | None]:  # fmt: skip
@@ -96,13 +127,7 @@ def forward_rows(params: Params, rows: DecodeState, tokens: jax.Array, cfg: Conf
     n = rows.pos
     B = tokens.shape[0]
     valid = jnp.ones(B, jnp.int32) if valid is None else valid.astype(jnp.int32)
-
-    def attend_rows(i: int, p: Params, ls, y: jax.Array):
-        def one(ls_r, y_r, n_r, v_r):
-            out, ls_r = attention(cfg, i, p, ls_r, y_r[None], n_r[None], n_r, v_r)
-            return out[0], ls_r
-
-        return jax.vmap(one)(ls, y, n, valid)
+    attend_rows = row_attention(cfg, n, valid, 1)
 
     def kept(logits: jax.Array) -> jax.Array:
         return jnp.where(valid[:, None] > 0, logits.astype(jnp.float32), rows.logits)
@@ -149,7 +174,7 @@ def _advance(
     return new, tokens, jax.random.key_data(keys), prompt
 
 
-def _put(batch: DecodeState, new: DecodeState) -> DecodeState:
+def put_rows(batch: DecodeState, new: DecodeState) -> DecodeState:
     return jax.tree.map(lambda b, n: jax.lax.dynamic_update_slice_in_dim(b, n, 0, 0), batch, new)
 
 
@@ -179,8 +204,8 @@ def step(
     new, tokens, keys, prompt = _advance(params, rows, override, key_data, temperature, top_k,
                                          top_p, min_p, eos_id, cfg, chunk)  # fmt: skip
     if chunk is None:
-        return _put(batch, new), tokens, keys
-    return _put(batch, new), tokens, keys, prompt
+        return put_rows(batch, new), tokens, keys
+    return put_rows(batch, new), tokens, keys, prompt
 
 
 def by_shard(f: Any, shards: int, pool_pages: int, tables: jax.Array, *trees: Any) -> Any:
@@ -251,5 +276,5 @@ def paged_step(
                                          top_p, min_p, eos_id, cfg, chunk)  # fmt: skip
     put = lambda t, ar, nw, n: page_io.put_new_rows(ar, nw, n, t, cfg, cfg.state_dtype)  # noqa: E731
     arrays = by_shard(put, shards, P, tables, arrays, new, small.pos)
-    out = (_put(batch, page_io.small_part(new)), arrays, tokens, keys)
+    out = (put_rows(batch, page_io.small_part(new)), arrays, tokens, keys)
     return out if chunk is None else (*out, prompt)

@@ -127,19 +127,29 @@ def mtp_chunk(
     rewinds as the model's does), its own `hc_head` and `norm`, and the model's head.
     Returns (logits, the block's streams — a second draft chains on them — and the new
     window state)."""
-    mcfg, mp = cfg.mtp_block(), params["mtp"][depth]
+    mcfg = cfg.mtp_block()
     T = tokens.shape[0]
     n = jnp.asarray(n, jnp.int32)
     n_valid = jnp.asarray(n_valid, jnp.int32)
     positions = n + jnp.arange(T, dtype=jnp.int32)
-    e = rmsw(params["embed"][tokens].astype(jnp.float32), mp["enorm"], cfg.rms_eps)
-    X = linear(e, mp["e_proj"])[:, None, :] + linear(rmsw(H, mp["hnorm"], cfg.rms_eps),
-                                                     mp["h_proj"])  # fmt: skip
 
     def attend(i: int, p: Params, ls: Any, y: jax.Array) -> tuple[jax.Array, Any]:
         return attention(mcfg, i, p, ls, y, positions, n, n_valid)
 
-    X, state = block(mcfg, 0, mp, state, X, tokens, attend)
+    return mtp_forward(params, H, tokens, state, attend, cfg, depth)
+
+
+def mtp_forward(params: Params, H: jax.Array, tokens: jax.Array, state: Any,
+                attend: Callable[[int, Params, Any, jax.Array], tuple[jax.Array, Any]],
+                cfg: Config, depth: int = 0, rows: bool = False,
+                ) -> tuple[jax.Array, jax.Array, Any]:  # fmt: skip
+    """`mtp_chunk` with its attention given: one sequence's chunk there, T tokens of each
+    of B rows in a batched speculative step (`model.speculative`, `rows`)."""
+    mcfg, mp = cfg.mtp_block(), params["mtp"][depth]
+    e = rmsw(params["embed"][tokens].astype(jnp.float32), mp["enorm"], cfg.rms_eps)
+    X = linear(e, mp["e_proj"])[:, None, :] + linear(rmsw(H, mp["hnorm"], cfg.rms_eps),
+                                                     mp["h_proj"])  # fmt: skip
+    X, state = block(mcfg, 0, mp, state, X, tokens, attend, rows)
     head = {"head": params["head"]} | {
         k: mp[k] for k in ("norm", "hc_head_fn", "hc_head_base", "hc_head_scale")
     }

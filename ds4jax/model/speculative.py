@@ -9,8 +9,18 @@ never holds a rejected position and needs no rewind of its own. The token stream
 greedy decoding's whatever the drafts are, since a 2-token chunk computes the logits of two
 one-token steps (prefill = decode, `tests/model/test_prefill_decode.py`).
 
-Not yet here (issue 29's rest): batched rows, the engine and its APIs, sampling
-(rejection sampling), the gate by load.
+Batched rows (`verify_rows`, `draft_rows`), what the engine runs (`ds4jax.speculation`):
+the host's decoder runs one token ahead of the device. A row enters a step with its next
+token `first` already decided (sampled by the step before, or forced), and `second`, the
+token after it: the MTP block's draft, a forced token, or none. The step evaluates both
+as a 2-token chunk per row; a forced second is kept, a draft is kept with the probability
+the row's sampler gives it (`sampling.prob_rows`: 1 or 0 for a greedy row) — rejection
+sampling with a point-mass draft, whose residual distribution is the row's own without
+the draft, so the token drawn after a rejection bans it (`sample_rows(ban=)`) and every
+token is distributed exactly as plain decoding's. The step also draws the token after
+what it kept (`y`), so a step decides one or two tokens. Then, once the host knows the
+token after each evaluated position (it may force another than `y`), `draft_rows` runs
+the MTP block over those positions, which gives the next step's drafts.
 """
 
 from __future__ import annotations
@@ -25,9 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.config import Config
-from ds4jax.model.forward import CHUNK_SIZES, forward_chunk, mtp_chunk, plan_chunks
+from ds4jax.model.batch import forward_rows_chunks, put_rows, row_attention
+from ds4jax.model.forward import CHUNK_SIZES, forward_chunk, mtp_chunk, mtp_forward, plan_chunks
 from ds4jax.model.params import Params
 from ds4jax.model.state import DecodeState, init_state, rewind
+from ds4jax.sampling import argmax, prob_rows, sample_rows
 
 
 @partial(jax.jit, static_argnames=("cfg",))
@@ -129,3 +141,78 @@ def generate_greedy(
         token, draft = run.tokens[-1], int(nxt)
     run.tokens = run.tokens[:n]
     return run
+
+
+@partial(jax.jit, static_argnames=("cfg", "size"), donate_argnums=1)
+def verify_rows(
+    params: Params,
+    batch: DecodeState,
+    first: jax.Array,  # [size] int32: each row's next token, or −1 to sample it here
+    second: jax.Array,  # [size] int32: the token after it (draft or forced), or −1: none
+    forced: jax.Array,  # [size] bool: `second` is forced (kept without a test)
+    key_data: jax.Array,  # [size, 2] uint32
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    min_p: jax.Array,
+    eos_id: jax.Array,
+    *,
+    cfg: Config,
+    size: int,
+) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One speculative step of rows [0, size). Returns (batch, `first` as evaluated [size]
+    (sampled where it was −1), whether `second` was kept [size], the token drawn after
+    what was kept [size], next key data, the streams of the two positions [size, 2, hc,
+    D]). An EOS is never evaluated (as in `model.batch.step`): a row whose first token is
+    EOS writes nothing, and an EOS second is tested on the first position's logits alone."""
+    rows = jax.tree.map(lambda x: x[:size], batch)
+    split = jax.vmap(lambda k: jax.random.split(k, 4))(jax.random.wrap_key_data(key_data))
+    keys, k_first, k_test, k_next = (split[:, i] for i in range(4))
+    sampling = (temperature, top_k, top_p, min_p)
+    t = jnp.where(first >= 0, first, sample_rows(rows.logits, k_first, *sampling))
+    t = t.astype(jnp.int32)
+    has_x = second >= 0
+    x = jnp.maximum(second, 0).astype(jnp.int32)
+    live = t != eos_id
+    eval_x = has_x & live & (x != eos_id)
+    layers, logits, X = forward_rows_chunks(params, rows, jnp.stack([t, x], axis=1),
+                                            live.astype(jnp.int32) + eval_x, cfg)  # fmt: skip
+    u = jax.vmap(jax.random.uniform)(k_test)
+    kept = has_x & live & (forced | (u < prob_rows(logits[:, 0], x, *sampling)))
+    two = kept & eval_x
+    after = jnp.where(two[:, None], logits[:, 1], logits[:, 0])
+    y = sample_rows(after, k_next, *sampling, ban=jnp.where(has_x & ~kept, x, -1))
+    new = DecodeState(
+        layers=layers,
+        pos=rows.pos + live.astype(jnp.int32) + two.astype(jnp.int32),
+        logits=jnp.where(live[:, None], after, rows.logits),
+    )
+    return put_rows(batch, new), t, kept, y, jax.random.key_data(keys), X
+
+
+@partial(jax.jit, static_argnames=("cfg", "size"), donate_argnums=(1, 2))
+def draft_rows(
+    params: Params,
+    mtp: Any,  # the rows' MTP window states (a `LayerState` of `cfg.mtp_block()`, batched)
+    drafts: jax.Array,  # [rows] int32: each row's draft for its next step (−1: none)
+    X: jax.Array,  # [size, 2, hc, D]: `verify_rows`' streams
+    after: jax.Array,  # [size, 2] int32: the token after each of those positions
+    count: jax.Array,  # [size] int32: how many of the two positions to run (0, 1, 2)
+    n: jax.Array,  # [size] int32: the first one's position in the block's own count
+    *,
+    cfg: Config,
+    size: int,
+) -> tuple[Any, jax.Array]:
+    """The MTP block over the positions a step kept, each row from its own position `n`
+    (counted from where its window started: the block attends by relative position, so a
+    row's window can start at any turn's first speculative step); the draft of each row
+    with `count` > 0 comes from its last one. Returns (window states, drafts)."""
+    state = jax.tree.map(lambda x: x[:size], mtp)
+    attend = row_attention(cfg.mtp_block(), n, count, 2)
+    hc, D = X.shape[2:]
+    logits, _, state = mtp_forward(params, X.reshape(-1, hc, D), after.reshape(-1), state,
+                                   attend, cfg, rows=True)  # fmt: skip
+    last = jnp.take_along_axis(logits.reshape(size, 2, -1),
+                               jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]  # fmt: skip
+    new = jnp.where(count > 0, argmax(last), -1).astype(jnp.int32)
+    return put_rows(mtp, state), drafts.at[:size].set(new)
