@@ -93,6 +93,7 @@ from ds4jax.model.state import (
     span_for,
     spans,
 )
+from ds4jax.speculation import Speculator, default_max_batch
 
 log = logging.getLogger("ds4jax.engine")
 
@@ -233,6 +234,8 @@ class Engine:
         span_base: int = SPAN_BASE,
         host_budget_bytes: int | None = None,
         stall_bound: float | None = None,
+        speculative: str | None = None,
+        speculative_max_batch: int | None = None,
     ) -> None:
         """`sessions`, `fork_points`, `state_budget_bytes`: the session pool
         (`continuation.pool`); the budget bounds the retained states (None: unbounded).
@@ -250,7 +253,10 @@ class Engine:
         `host_budget_bytes`: a host-RAM tier (`kvstore.host`) of that size takes the states
         of the sessions the state budget evicts, before the disk. `stall_bound`: while rows
         decode, a tick prefills a chunk that keeps their gap within that many decode steps
-        (`interleave.chunk_limit`; None: whole chunks)."""
+        (`interleave.chunk_limit`; None: whole chunks). `speculative="mtp"`: steps of at
+        most `speculative_max_batch` rows (default: the platform's measured crossover,
+        `speculation.default_max_batch`) draft with the params' MTP block and verify
+        (`ds4jax.speculation`); dense rows in one process only in this version."""
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer
@@ -310,6 +316,10 @@ class Engine:
         self._lock = threading.Lock()  # one scheduler step at a time
         self._state_lock = threading.Lock()  # guards live + bindings for readers
         self._special_ids = {tokenizer.special_id(s) for s in specials.TEMPLATE_SPECIALS}
+        self.spec: Speculator | None = None
+        self.spec_max_batch = 0
+        if speculative is not None:
+            self._speculate(speculative, speculative_max_batch)
         self._think_start = tokenizer.special_id(specials.THINK_START)
 
     # ------------------------------------------------------------------ client side
@@ -836,39 +846,51 @@ class Engine:
             state = self._fit(state, self._batch_span - 1)
         self._batch = batch_ops.insert(self._batch, np.int32(row), state)
         self._rows[row] = ticket
+        if self.spec is not None:
+            self.spec.admit(row)
+
+    def _speculate(self, kind: str, max_batch: int | None) -> None:
+        if kind != "mtp":
+            raise ValueError(f"unknown speculative method {kind!r} (one: mtp)")
+        if "mtp" not in self.params:
+            raise ValueError("--speculative mtp needs the model's MTP block, and these "
+                             "weights have none (`mtp.*` in the release)")  # fmt: skip
+        if self.pages is not None or (self.mesh is not None and jax.process_count() > 1):
+            raise ValueError("--speculative mtp runs on dense rows in one process in this "
+                             "version: not with --paged or several processes")  # fmt: skip
+        self.spec = Speculator(self.cfg, self.max_batch, self._place)
+        self.spec_max_batch = default_max_batch() if max_batch is None else max_batch
 
     def _decode_step(self, filling: Ticket | None = None, limit: int = 0) -> tuple[int, int]:
         """One batched step for every active row; finished rows leave the batch. `filling`:
-        its prompt's next chunk (at most `limit` tokens) rides in the step. Returns (the
-        step's batch size, the chunk's padded size), 0 for what did not run."""
+        its prompt's next chunk (at most `limit` tokens) rides in the step. With
+        speculation on, a step of few enough rows and no chunk is speculative
+        (`_speculative_step`). Returns (the step's batch size, the chunk's padded size), 0
+        for what did not run."""
         size = self._step_size()
+        spec = self.spec
+        if spec is not None and filling is None and 0 < self.rows_active <= self.spec_max_batch:
+            return self._speculative_step(size)
         override = np.full(size, -1, np.int32)
-        temperature = np.zeros(size, np.float32)
-        top_k = np.zeros(size, np.int32)
-        top_p = np.ones(size, np.float32)
-        min_p = np.zeros(size, np.float32)
-        stepping = []
+        sampling = self._sampling_arrays(size)
+        stepping, pending = [], set()
         for row, ticket in enumerate(self._rows[:size]):
             if ticket is None:
                 continue
-            planned = ticket.decoder.plan()
-            if planned is None:
-                self._finish_row(row)
-                continue
-            override[row] = planned
-            sp = ticket.prepared.sampling
-            temperature[row], top_k[row], top_p[row], min_p[row] = (
-                sp.temperature,
-                min(sp.top_k, self.cfg.vocab_size),  # past the vocabulary: all of it, as off
-                sp.top_p,
-                sp.min_p,
-            )
+            if spec is not None and spec.pending[row] >= 0:  # decided by a speculative step
+                override[row] = spec.pending[row]
+                pending.add(row)
+            else:
+                planned = ticket.decoder.plan()
+                if planned is None:
+                    self._finish_row(row)
+                    continue
+                override[row] = planned
+            self._sampling_row(sampling, row, ticket)
             stepping.append(row)
         if not stepping:
             return 0, 0
-        need = self._span(max(len(self._rows[r].decoder.tokens) for r in stepping) + 1)
-        if need > self._batch_span:  # a row reached the end of the batch's span
-            self._resize_batch(need)
+        self._grow_batch(stepping, 1)
         grid = None
         if self.pages is not None:
             grid = self._grid(size, stepping)
@@ -883,14 +905,16 @@ class Engine:
             chunk = (filling.state, padded, np.int32(nxt[0] - done))
             self.mixed_prompt_tokens += nxt[0] - done
         self._batch, tokens, keys, prompt = self._step(
-            self._batch, grid, override, self._keys[:size], temperature, top_k, top_p, min_p,
-            chunk=chunk,
+            self._batch, grid, override, self._keys[:size], *sampling, chunk=chunk,
         )  # fmt: skip
         tokens, keys = fetch(tokens), fetch(keys)
         for row in stepping:
             self._keys[row] = keys[row]
             ticket = self._rows[row]
-            ticket.decoder.accept(int(tokens[row]))
+            if spec is not None:
+                spec.stepped_plain(row)
+            if row not in pending:  # a pending token is its decoder's already
+                ticket.decoder.accept(int(tokens[row]))
             if ticket.on_token is not None:
                 ticket.on_token()
             if ticket.decoder.done:
@@ -901,6 +925,57 @@ class Engine:
             else:
                 self._chunk_done(filling, prompt, nxt[0])
         return size, 0 if nxt is None else nxt[1]
+
+    def _speculative_step(self, size: int) -> tuple[int, int]:
+        """`_decode_step` as a speculative step (`speculation.Speculator.step`)."""
+        spec, eos = self.spec, self.tokenizer.eos_id
+        sampling = self._sampling_arrays(size)
+        plans, decoders = {}, {}
+        for row, ticket in enumerate(self._rows[:size]):
+            if ticket is None:
+                continue
+            plan = spec.plan_row(row, ticket.decoder, eos)
+            if plan is None:
+                self._finish_row(row)
+                continue
+            self._sampling_row(sampling, row, ticket)
+            plans[row], decoders[row] = plan, ticket.decoder
+        if not plans:
+            return 0, 0
+        self._grow_batch(list(plans), 2)
+        with self._on_mesh():
+            self._batch, keys, finished = spec.step(
+                self.params, self._batch, plans, decoders, sampling, self._keys[:size], eos, size
+            )
+        for row in plans:
+            self._keys[row] = keys[row]
+            ticket = self._rows[row]
+            if ticket.on_token is not None:
+                ticket.on_token()
+        for row in finished:
+            self._finish_row(row)
+        return size, 0
+
+    def _sampling_arrays(self, size: int) -> tuple[np.ndarray, ...]:
+        """A step's per-row (temperature, top_k, top_p, min_p), each off."""
+        return (np.zeros(size, np.float32), np.zeros(size, np.int32), np.ones(size, np.float32),
+                np.zeros(size, np.float32))  # fmt: skip
+
+    def _sampling_row(self, arrays: tuple[np.ndarray, ...], row: int, ticket: Ticket) -> None:
+        sp = ticket.prepared.sampling
+        temperature, top_k, top_p, min_p = arrays
+        temperature[row], top_k[row], top_p[row], min_p[row] = (
+            sp.temperature,
+            min(sp.top_k, self.cfg.vocab_size),  # past the vocabulary: all of it, as off
+            sp.top_p,
+            sp.min_p,
+        )
+
+    def _grow_batch(self, stepping: list[int], tokens: int) -> None:
+        """The batch's span, grown when a step's `tokens` per row would pass its end."""
+        need = self._span(max(len(self._rows[r].decoder.tokens) for r in stepping) + tokens)
+        if need > self._batch_span:
+            self._resize_batch(need)
 
     def _step(self, batch: Any, grid: np.ndarray | None, override: np.ndarray,
               *sampling: np.ndarray, chunk: Any = None) -> tuple[Any, Any, Any, Any]:  # fmt: skip

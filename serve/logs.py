@@ -97,6 +97,8 @@ class Tally:
     slots: float = 0.0
     state_bytes: float = 0.0
     state_limit: float = 0.0
+    drafts: float = 0.0
+    drafts_kept: float = 0.0
 
     @classmethod
     def read(cls, metrics: ServerMetrics) -> Tally:
@@ -124,6 +126,8 @@ class Tally:
             slots=get("sessions"),
             state_bytes=get("state_bytes"),
             state_limit=get("state_bytes_limit"),
+            drafts=get("speculative_drafts_total", position="1"),
+            drafts_kept=get("speculative_drafts_accepted_total", position="1"),
         )
 
 
@@ -141,12 +145,15 @@ def stats_line(before: Tally, now: Tally, seconds: float) -> str | None:
     mib = 2**20
     limit = f"/{now.state_limit / mib:.1f}" if 0 < now.state_limit < float("inf") else ""
     prefilled = (now.prefilled - before.prefilled) / dt
+    drafts = now.drafts - before.drafts
+    kept = now.drafts_kept - before.drafts_kept
+    spec = f", drafts kept {kept:.0f}/{drafts:.0f} ({kept / drafts:.0%})" if drafts else ""
     return (
         f"stats: prompt {prompt / dt:.1f} tok/s (prefilled {prefilled:.1f}), "
         f"generation {generation / dt:.1f} tok/s, running {now.running:.0f}, "
         f"waiting {now.waiting:.0f}, sessions {now.sessions:.0f}/{now.slots:.0f}, "
         f"state {now.state_bytes / mib:.1f}{limit} MiB, reused {reused:.1%} of prompt tokens, "
-        f"paths {' '.join(paths) or '-'}"
+        f"paths {' '.join(paths) or '-'}{spec}"
     )
 
 

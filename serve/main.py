@@ -81,6 +81,14 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
                     "default_state_dtype, by platform; see README)")  # fmt: skip
     sp.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                     help="requests decoded together in one step (1, 2, 4 or 8)")  # fmt: skip
+    sp.add_argument("--speculative", choices=["mtp"], default=None,
+                    help="speculative decoding: the model's MTP block drafts the token after "
+                    "each row's next, verified in the same step (exact: greedy output "
+                    "is unchanged, sampling keeps its distribution); dense rows, one "
+                    "process")  # fmt: skip
+    sp.add_argument("--speculative-max-batch", type=int, default=None, metavar="B",
+                    help="speculate only in steps of at most B rows (default: where it "
+                    "was measured to pay on this platform; 0 on CPU)")  # fmt: skip
     sp.add_argument("--mesh", default=None, help=MESH_HELP)
     sp.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                     help="several processes (hosts): process 0's address for "
@@ -176,11 +184,14 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
             cfg, params, tokenizer, max_len=args.ctx, store=store, sessions=args.sessions,
             fork_points=True, state_budget_bytes=budget, max_batch=args.max_batch, mesh=mesh,
             chunk_sizes=chunks, host_budget_bytes=int(args.host_state_memory * 2**30) or None,
-            stall_bound=args.stall_bound or None, **paged,
+            stall_bound=args.stall_bound or None, speculative=args.speculative,
+            speculative_max_batch=args.speculative_max_batch, **paged,
         )  # fmt: skip
     except ValueError as err:  # a state budget that holds no state, a batch the mesh cannot split
         raise SystemExit(f"ds4jax serve: {err}") from err
     banner += f"; {args.sessions} sessions, batches of up to {engine.max_batch}, "
+    if engine.spec is not None:
+        banner += f"speculative (MTP) in steps of up to {engine.spec_max_batch} rows, "
     if engine.pages is None:
         banner += (f"state budget {budget / 2**20:.0f} MB ({per_state / 2**20:.1f} MB per "
                    "session or fork point)")  # fmt: skip

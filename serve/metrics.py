@@ -228,9 +228,26 @@ class _Snapshot:
         }
         yield from self._families(values, counts)
         yield from self._shard_families(engine)
+        yield from self._spec_families(engine)
 
     def describe(self) -> list[Metric]:  # the registry need not collect to learn the names
-        return [*self._families(), *self._shard_families(None)]
+        return [*self._families(), *self._shard_families(None), *self._spec_families(None)]
+
+    def _spec_families(self, engine: Any) -> Iterator[Metric]:
+        """Speculative decoding (`--speculative mtp`, issue 29): steps, and drafts proposed
+        and kept by draft position (1: the token after the row's next; the block drafts
+        one). No samples without speculation."""
+        spec = None if engine is None else engine.spec
+        c = CounterMetricFamily(PREFIX + "speculative_steps", SPEC_STEPS, labels=["model_name"])
+        if spec is not None:
+            c.add_metric([self.model_name], spec.counts.steps)
+        yield c
+        for name, doc in SPEC_DRAFTS.items():
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", "position"])
+            if spec is not None:
+                n = spec.counts.proposed if name == "speculative_drafts" else spec.counts.accepted
+                c.add_metric([self.model_name, "1"], n)
+            yield c
 
     def _shard_families(self, engine: Any) -> Iterator[Metric]:
         """The page pool per data shard (issue 28): pages and device bytes each shard's
@@ -294,5 +311,10 @@ SHARD_GAUGES = {
     "(serve --paged on a mesh with a data axis; shard 0 is the whole pool otherwise).",
     "page_shard_bytes": "Device bytes of the pages each data shard's block holds: what each "
     "of that shard's devices holds of the retained states' pages.",
+}
+SPEC_STEPS = "Speculative decode steps (--speculative mtp)."
+SPEC_DRAFTS = {
+    "speculative_drafts": "Drafts the MTP block proposed and a step verified.",
+    "speculative_drafts_accepted": "Drafts kept: the model drew the drafted token.",
 }
 SHARD_MOVES = "Prompts kept on another data shard than their base's (its pages written again)."

@@ -125,14 +125,10 @@ def boundary(pos: int) -> bool:
 @pytest.mark.parametrize("drafts", ["mtp", "right", "wrong_at_boundaries"])
 def test_speculative_rows_equal_plain_greedy(model, drafts: str) -> None:
     cfg, params, prompts, states = model
-    eos = 2
     force = [{}, {3: 7, 4: 9, 12: 11}, {20: 5}]
-    plain = [plain_greedy(cfg, params, s, N, eos, f) for s, f in zip(states, force)]
     # an EOS the model picks: row 0 ends there (drafted and kept when drafts are right)
-    eos_row = plain_greedy(cfg, params, states[0], 9, -1, {})[0][8]
-    if eos_row != eos:
-        eos = eos_row
-        plain = [plain_greedy(cfg, params, s, N, eos, f) for s, f in zip(states, force)]
+    eos = plain_greedy(cfg, params, states[0], 9, -1, {})[0][8]
+    plain = [plain_greedy(cfg, params, s, N, eos, f) for s, f in zip(states, force, strict=True)]
     assert len(plain[0][0]) == 8
 
     def propose(r: int, at: int, mtp_draft: int) -> int:
@@ -145,7 +141,7 @@ def test_speculative_rows_equal_plain_greedy(model, drafts: str) -> None:
             return (right + 1) % cfg.vocab_size
         return right
 
-    rows = [Row(p, N, eos, f) for p, f in zip(prompts, force)]
+    rows = [Row(p, N, eos, f) for p, f in zip(prompts, force, strict=True)]
     finals, spec = run(cfg, params, states, rows, drafts=propose)
     for r, (want, state) in enumerate(plain):
         assert rows[r].generated == want, r
@@ -162,12 +158,12 @@ def test_speculative_rows_equal_plain_greedy(model, drafts: str) -> None:
 
 def test_sampled_rows_hold_exactly_their_tokens(model) -> None:
     cfg, params, prompts, states = model
-    rows = [Row(p, N, 2, f) for p, f in zip(prompts, [{}, {6: 4}, {}])]
+    rows = [Row(p, N, 2, f) for p, f in zip(prompts, [{}, {6: 4}, {}], strict=True)]
     finals, spec = run(cfg, params, states, rows, temperature=1.0)
     assert spec.counts.proposed > 0
     for r, row in enumerate(rows):
         assert len(row.generated) == N or row.done
-        cold, logits = prefill(params, init_state(cfg, MAX_LEN), row.tokens, cfg,
+        _, logits = prefill(params, init_state(cfg, MAX_LEN), row.tokens, cfg,
                                chunk_sizes=CHUNKS)  # fmt: skip
         assert int(finals[r].pos) == len(row.tokens)
         np.testing.assert_allclose(np.asarray(finals[r].logits), np.asarray(logits),

@@ -33,6 +33,9 @@ def test_no_stats_line_when_idle_and_a_line_of_the_interval_otherwise() -> None:
         assert part in line, (part, line)
     # a request still running, no token counted in the interval: still a line
     assert logs.stats_line(busy, busy, 10.0) is not None
+    assert "drafts" not in line  # no speculation, no word of it
+    spec = logs.Tally(**{**busy.__dict__, "drafts": 40.0, "drafts_kept": 30.0})
+    assert logs.stats_line(busy, spec, 10.0).endswith(", drafts kept 30/40 (75%)")
 
 
 @pytest.mark.anyio

@@ -1,0 +1,154 @@
+"""Speculative decoding in the engine (`--speculative mtp`, issue 29): requests decoded with
+speculative steps come out as without them — greedy text, finish, stop sequences,
+cancellation, the live frontier (its tokens and its state) — alone or batched, with the
+gate closing speculation while the batch is larger than its bound, and a tool loop
+continues live after a speculative turn. The tiny config in exact math, random MTP weights
+(drafts nearly always rejected: the rejection path) and teacher-forced turns (forced
+second tokens: the kept path); `tests/model/test_speculative_rows.py` keeps right drafts."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ds4jax.chat.anthropic import parse_messages_request
+from ds4jax.continuation.types import CacheSource
+from ds4jax.engine import Engine, SamplingParams
+from ds4jax.model.params import init_params
+from tests.continuation.conftest import TOOLS, forced, like, tool_call_text
+from tests.continuation.test_batching import GREEDY, active_rows, fresh, prepared
+
+TEXTS = ["Name three rivers.", "Count to five.", "What is JAX?"]
+
+
+@pytest.fixture(scope="module")
+def engines(_engine: Engine) -> tuple[Engine, Engine]:
+    """(plain, speculative) engines on the same weights, batches of up to 4."""
+    mtp = init_params(_engine.cfg, 5, mtp_layers=1)["mtp"]
+    spec = Engine(_engine.cfg, {**_engine.params, "mtp": mtp}, _engine.tokenizer,
+                  max_len=_engine.max_len, chunk_sizes=_engine.chunk_sizes, sessions=6,
+                  fork_points=True, max_batch=4, speculative="mtp",
+                  speculative_max_batch=4)  # fmt: skip
+    plain = like(_engine, sessions=6, fork_points=True, max_batch=4)
+    return plain, spec
+
+
+def together(engine: Engine, reqs: list[Any], **kw: Any) -> list[Any]:
+    fresh(engine)
+    tickets = [engine.submit(r, **kw) for r in reqs]
+    while engine.busy:
+        engine.tick()
+    assert all(t.error is None for t in tickets)
+    return [t.result for t in tickets]
+
+
+def test_speculative_requests_equal_plain_ones(engines) -> None:
+    plain, spec = engines
+    want = together(plain, [prepared(plain, t, 12) for t in TEXTS])
+    before = spec.spec.counts.steps, spec.spec.counts.proposed
+    got = together(spec, [prepared(spec, t, 12) for t in TEXTS])
+    assert spec.spec.counts.steps > before[0] and spec.spec.counts.proposed > before[1]
+    for w, g in zip(want, got, strict=True):
+        assert (g.raw_text, g.output_tokens, g.finish) == (w.raw_text, w.output_tokens, w.finish)
+        live_w = plain.pool.sessions[w.session].live
+        live_g = spec.pool.sessions[g.session].live
+        assert live_g.tokens == live_w.tokens
+        diff = np.asarray(live_g.state.logits) - np.asarray(live_w.state.logits)
+        assert np.abs(diff).max() <= 1e-5
+
+
+def test_the_gate_steps_plain_while_the_batch_is_larger(engines) -> None:
+    plain, spec = engines
+    want = together(plain, [prepared(plain, t, 12 - 4 * i) for i, t in enumerate(TEXTS)])
+    spec.spec_max_batch = 1
+    try:
+        fresh(spec)
+        tickets = [spec.submit(prepared(spec, t, 12 - 4 * i)) for i, t in enumerate(TEXTS)]
+        steps = []
+        while spec.busy:
+            before = spec.spec.counts.steps
+            rows = active_rows(spec)
+            spec.tick()
+            steps.append((rows, spec.spec.counts.steps - before))
+    finally:
+        spec.spec_max_batch = 4
+    assert all(n == 0 for rows, n in steps if rows > 1)  # the gate held
+    assert any(n for rows, n in steps if rows == 1)  # and opened for the last row
+    for w, t in zip(want, tickets, strict=True):
+        assert (t.result.raw_text, t.result.finish) == (w.raw_text, w.finish)
+
+
+@pytest.mark.parametrize("case", ["stop", "cancel", "sampled"])
+def test_stops_cancels_and_sampling_leave_the_frontier_of_their_tokens(engines, case) -> None:
+    plain, spec = engines
+    text = "Write a haiku."
+    full = together(plain, [prepared(plain, text, 14)])[0]
+    cancel = None
+    if case == "stop":
+        stops = [full.raw_text[5:7]]
+        want = together(plain, [prepared(plain, text, 14, stops)])[0]
+        got = together(spec, [prepared(spec, text, 14, stops)])[0]
+        assert (got.raw_text, got.finish, got.stop_sequence) == (
+            want.raw_text, want.finish, want.stop_sequence)  # fmt: skip
+    elif case == "cancel":
+        fresh(spec)
+        cancel = threading.Event()
+        ticket = spec.submit(prepared(spec, text, 14), cancel=cancel)
+        for _ in range(4):
+            spec.tick()
+        cancel.set()
+        while spec.busy:
+            spec.tick()
+        got = ticket.result
+        assert got.finish == "cancelled" and full.raw_text.startswith(got.raw_text)
+    else:
+        hot = SamplingParams(temperature=1.0, seed=3)
+        got = together(spec, [prepared(spec, t, 14, sampling=hot) for t in TEXTS])[0]
+    live = spec.pool.sessions[got.session].live
+    cold = spec.logits_for(live.tokens)
+    assert np.abs(cold - np.asarray(live.state.logits)).max() <= 1e-5
+
+
+def test_a_tool_loop_continues_live_after_a_speculative_turn(engines) -> None:
+    call = None
+    out = []
+    for engine in engines:
+        fresh(engine)
+        call = forced(engine, tool_call_text("ls"))
+        body = {"system": "You are an agent.", "tools": TOOLS,
+                "messages": [{"role": "user", "content": "list"}]}  # fmt: skip
+        req = engine.prepare_request(parse_messages_request(body), max_tokens=200)
+        first = engine.submit(req, forced_tokens=call)
+        while engine.busy:
+            engine.tick()
+        tid = first.result.tool_ids[0]
+        follow = copy.deepcopy(body)
+        follow["messages"] += [
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "I should run it."},
+                {"type": "tool_use", "id": tid, "name": "bash", "input": {"command": "ls"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": tid, "content": "a.py"}]},
+        ]  # fmt: skip
+        res = engine.run(engine.prepare_request(parse_messages_request(follow), max_tokens=8,
+                                                sampling=GREEDY))  # fmt: skip
+        out.append((res, engine.pool.sessions[res.session].live))
+    (plain, plain_live), (spec, spec_live) = out
+    assert plain.source is spec.source is CacheSource.LIVE_TOOL
+    assert spec.raw_text == plain.raw_text and spec_live.tokens == plain_live.tokens
+    assert engines[1].spec.counts.forced > 0  # the forced call went in as second tokens too
+
+
+def test_speculation_needs_the_block_and_dense_rows(_engine: Engine) -> None:
+    with pytest.raises(ValueError, match="MTP block"):
+        like(_engine, speculative="mtp")
+    params = {**_engine.params, "mtp": init_params(_engine.cfg, 5, mtp_layers=1)["mtp"]}
+    with pytest.raises(ValueError, match="--paged"):
+        Engine(_engine.cfg, params, _engine.tokenizer, max_len=_engine.max_len,
+               paged_pages=64, speculative="mtp")  # fmt: skip
+    with pytest.raises(ValueError, match="unknown speculative"):
+        Engine(_engine.cfg, params, _engine.tokenizer, speculative="eagle")
