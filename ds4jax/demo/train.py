@@ -15,6 +15,7 @@ thread count); on 2 CPU cores the default settings train in about 26 minutes (th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import random
@@ -22,7 +23,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,36 @@ def encode_corpus(
     return Corpus([list(p) for p in prefixes], group, bucket, suffix, mask)
 
 
+def pad_prefixes(corpus: Corpus, length: int, pad: int) -> np.ndarray:
+    """The distinct prefixes as one [prefixes, `length`] array, `pad`-padded."""
+    out = np.full((len(corpus.prefixes), length), pad, np.int32)
+    for g, p in enumerate(corpus.prefixes):
+        out[g, : len(p)] = p
+    return out
+
+
+def draw_batch(rng: np.random.Generator, corpus: Corpus, batch: int) -> tuple[int, int, np.ndarray]:
+    """One step's examples (prefix, suffix bucket, `batch` indices): one prefix and one
+    bucket per step (the batch shares its state and shape), drawn by their share of the
+    data."""
+    pick = rng.integers(len(corpus.group))
+    g, b = corpus.group[pick], corpus.bucket[pick]
+    idx = rng.choice(np.flatnonzero((corpus.group == g) & (corpus.bucket == b)), batch)
+    return g, b, idx
+
+
+@contextlib.contextmanager
+def dense_moe() -> Iterator[None]:
+    """Programs traced inside keep the MoE dense: a batch's suffixes are vmapped, and the
+    grouped MoE of long chunks would index each example's experts inside its loop."""
+    dense_from = layers.GROUPED_MIN_TOKENS
+    layers.GROUPED_MIN_TOKENS = 1 << 30
+    try:
+        yield
+    finally:
+        layers.GROUPED_MIN_TOKENS = dense_from
+
+
 def demo_config(vocab_size: int) -> Config:
     return dataclasses.replace(load_config(CONFIG_DIR / "demo.json"), vocab_size=vocab_size)
 
@@ -206,7 +237,6 @@ def train(
     t_start = time.perf_counter()
     bodies = training_bodies(settings.examples, settings.seed)
     work = Path(tempfile.mkdtemp(prefix="ds4jax-demo-"))
-    dense_from = layers.GROUPED_MIN_TOKENS
     try:
         text = work / "corpus.txt"
         text.write_text(
@@ -223,9 +253,7 @@ def train(
             f"(longest {max(map(len, corpus.prefixes))} tokens), {int(corpus.mask.sum())} "
             f"assistant tokens; vocab {tok.vocab_size} ({time.perf_counter() - t_start:.0f}s)"
         )
-        prefixes = np.full((len(corpus.prefixes), settings.prefix_len), tok.eos_id, np.int32)
-        for g, p in enumerate(corpus.prefixes):
-            prefixes[g, : len(p)] = p
+        prefixes = pad_prefixes(corpus, settings.prefix_len, tok.eos_id)
         cfg = demo_config(tok.vocab_size)
         params = init_params(cfg, seed=settings.seed)
         sched = optax.warmup_cosine_decay_schedule(
@@ -235,24 +263,17 @@ def train(
         floats, frozen, treedef, kinds = split_params(params)
         opt_state = opt.init(floats)
         step = make_step(cfg, settings.prefix_len + max(settings.suffix_lens), opt)
-        # the batch's suffixes are vmapped: the grouped MoE of long chunks would index
-        # each example's experts inside its loop; training keeps the dense form
-        layers.GROUPED_MIN_TOKENS = 1 << 30
         rng = np.random.default_rng(settings.seed)
         losses: list[float] = []
         t0 = time.perf_counter()
         for i in range(settings.steps):
-            # one prefix and one suffix bucket per step (the batch shares its state and
-            # shape), drawn by their share of the data
-            pick = rng.integers(len(corpus.group))
-            g, b = corpus.group[pick], corpus.bucket[pick]
-            idx = rng.choice(np.flatnonzero((corpus.group == g) & (corpus.bucket == b)),
-                             settings.batch)  # fmt: skip
+            g, b, idx = draw_batch(rng, corpus, settings.batch)
             n = settings.suffix_lens[b]
-            floats, opt_state, loss = step(
-                floats, frozen, treedef, kinds, opt_state, prefixes[g],
-                len(corpus.prefixes[g]), corpus.suffix[idx, :n], corpus.mask[idx, :n],
-            )  # fmt: skip
+            with dense_moe():  # traced on the first step of each bucket
+                floats, opt_state, loss = step(
+                    floats, frozen, treedef, kinds, opt_state, prefixes[g],
+                    len(corpus.prefixes[g]), corpus.suffix[idx, :n], corpus.mask[idx, :n],
+                )  # fmt: skip
             if i == 0:
                 loss.block_until_ready()
                 log(f"first step (compile) {time.perf_counter() - t0:.0f}s")
@@ -267,7 +288,6 @@ def train(
         for suffix in (".model", ".vocab"):
             shutil.copyfile(spm_path.with_suffix(suffix), out / (TOKENIZER_NAME + suffix))
     finally:
-        layers.GROUPED_MIN_TOKENS = dense_from
         shutil.rmtree(work, ignore_errors=True)
     record = {
         "settings": dataclasses.asdict(settings),

@@ -3,8 +3,12 @@
 A params checkpoint is one Orbax composite directory with two items:
 
 * `params`: the pytree (`StandardSave`), in the dtype it was saved with;
-* `meta`: JSON `{"format": "ds4jax-params", "version", "config": cfg.to_dict(), "dtype"}`,
-  so a checkpoint is self-describing and restores without any other file.
+* `meta`: JSON `{"format": "ds4jax-params", "version", "config": cfg.to_dict(), "dtype",
+  "mtp_layers"}`, so a checkpoint is self-describing and restores without any other file.
+
+A checkpoint may hold multi-token-prediction blocks (`params["mtp"]`, `mtp_layers` of them;
+absent from the metadata means none): they are restored only when asked (`mtp=True`), so
+code that runs the model alone reads the same tree with or without them.
 
 Restoring builds the abstract tree from `param_shapes(cfg)` with the requested shardings, so
 Orbax reads each shard straight onto its devices (resharding on load) instead of
@@ -82,7 +86,8 @@ def save_params(params: Params, cfg: Config, directory: str | Path, *, force: bo
     dtypes = sorted(
         {str(np.dtype(x.dtype)) for x in jax.tree.leaves(params) if x.dtype != jnp.int32}
     )
-    meta = {"format": FORMAT, "version": VERSION, "config": cfg.to_dict(), "dtype": dtypes[0]}
+    meta = {"format": FORMAT, "version": VERSION, "config": cfg.to_dict(), "dtype": dtypes[0],
+            "mtp_layers": len(params.get("mtp", ()))}  # fmt: skip
     if len(dtypes) > 1:
         raise ValueError(f"params mix float dtypes {dtypes}; cast them to one first")
     with _checkpointer() as ckptr:
@@ -94,14 +99,15 @@ def save_params(params: Params, cfg: Config, directory: str | Path, *, force: bo
 
 
 def read_metadata(directory: str | Path) -> dict[str, Any]:
-    """The `meta` item of a params checkpoint (config dict, dtype, format version)."""
+    """The `meta` item of a params checkpoint (config dict, dtype, format version,
+    `mtp_layers`: the MTP blocks it holds, 0 when it has none or predates the key)."""
     directory = Path(directory).absolute()
     meta = _try_metadata(directory)
     if meta is None:
         raise CheckpointError(f"{directory} is not a ds4jax params checkpoint")
     if meta.get("version") != VERSION:
         raise CheckpointError(f"{directory}: unsupported checkpoint version {meta.get('version')}")
-    return dict(meta)
+    return {**meta, "mtp_layers": int(meta.get("mtp_layers") or 0)}
 
 
 def _sharding_tree(abstract: Params, shardings: Any) -> Params:
@@ -115,7 +121,7 @@ def _sharding_tree(abstract: Params, shardings: Any) -> Params:
 
 
 def restore_params(
-    directory: str | Path, shardings: Any = None, dtype: Any = None
+    directory: str | Path, shardings: Any = None, dtype: Any = None, *, mtp: bool = False
 ) -> tuple[Config, Params]:
     """(config, params) from a params checkpoint, placed per `shardings`.
 
@@ -123,21 +129,31 @@ def restore_params(
     pytree of them matching the params, or a function of the config returning either (the
     leaves are read straight onto their devices: across processes, each reads its own
     shards). `dtype`: float dtype of the restored leaves (default
-    the saved one; tid2eid stays int32)."""
+    the saved one; tid2eid stays int32). `mtp`: the checkpoint's multi-token-prediction
+    blocks too, as `params["mtp"]` (a CheckpointError when it has none); without it they
+    are not read, and the params are the model's alone."""
     directory = Path(directory).absolute()
     meta = read_metadata(directory)
     cfg = Config.from_dict(meta["config"])
+    stored = meta["mtp_layers"]
+    if mtp and not stored:
+        raise CheckpointError(f"{directory}: the checkpoint has no MTP block (mtp_layers 0)")
     shardings = _for_config(shardings, cfg)
-    abstract = param_shapes(cfg, jnp.dtype(dtype or meta["dtype"]))
+    abstract = param_shapes(cfg, jnp.dtype(dtype or meta["dtype"]), stored if mtp else 0)
     target = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         abstract,
         _sharding_tree(abstract, shardings),
     )
+    if stored and not mtp:  # the blocks on disk are left unread
+        item = ocp.args.PyTreeRestore(
+            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=True,
+        )  # fmt: skip
+    else:
+        item = ocp.args.StandardRestore(target)
     with _checkpointer() as ckptr:
-        restored = ckptr.restore(
-            directory, ocp.args.Composite(params=ocp.args.StandardRestore(target))
-        )
+        restored = ckptr.restore(directory, ocp.args.Composite(params=item))
     return cfg, restored["params"]
 
 
@@ -161,11 +177,12 @@ def detect_layout(directory: str | Path) -> str:
 
 def load_any(
     src: str | Path, dtype: Any = jnp.bfloat16, shardings: Any = None,
-    resident: Collection[str] = (),
+    resident: Collection[str] = (), *, mtp: bool = False,
 ) -> tuple[Config, Params]:  # fmt: skip
     """(config, params) from any supported layout (see `detect_layout`). `resident`: the
     kinds ("fp8", "fp4") kept in their formats (`model.quantized`; the official layout
-    only)."""
+    only). `mtp`: the multi-token-prediction blocks too (`params["mtp"]`; a params
+    checkpoint or the official layout)."""
     layout = detect_layout(src)
     if resident and layout != "official":
         raise CheckpointError(
@@ -174,9 +191,11 @@ def load_any(
             f"not {layout}"
         )
     if layout == "orbax":
-        return restore_params(src, shardings, dtype)
+        return restore_params(src, shardings, dtype, mtp=mtp)
     if layout == "official":
-        cfg, params = load_official_checkpoint(src, dtype=dtype, resident=resident)
+        cfg, params = load_official_checkpoint(src, dtype=dtype, resident=resident, mtp=mtp)
+    elif mtp:
+        raise CheckpointError(f"{src}: no MTP block is read from the {layout} layout")
     else:
         cfg, params = load_hf_checkpoint(src, dtype=dtype)
     return cfg, _placed(params, cfg, shardings)
@@ -261,6 +280,7 @@ def load_model(
     weights: str | None = None,
     revision: str | None = None,
     download_dir: str | None = None,
+    mtp: bool = False,
 ) -> tuple[Config, Params, Tokenizer, str]:
     """(config, params, tokenizer, description) for the CLI and the server: a checkpoint
     directory, named model or Hub repo id (`resolve_model_dir`, with `revision` and
@@ -270,14 +290,16 @@ def load_model(
     params go, as `restore_params` takes it (`model.sharding.Placement` for a `--mesh`).
     `weights` (`WEIGHTS`, overrides `dtype`): f32, bf16, fp8 — the release's FP8/FP4
     tensors kept as they are on device, the rest bf16 — or fp4-experts — the routed experts
-    kept in FP4, the rest f32."""
+    kept in FP4, the rest f32. `mtp`: the model's multi-token-prediction block too
+    (`params["mtp"]`: from a checkpoint that has one, see `load_any`; random with a
+    config)."""
     resident = RESIDENT.get(weights or "", frozenset())
     if weights is not None:
         if weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {sorted(WEIGHTS)}, not {weights!r}")
         dtype = WEIGHTS[weights]
     cfg, params, tokenizer, what = _load(
-        model, config, seed, dtype, shardings, resident, revision, download_dir
+        model, config, seed, dtype, shardings, resident, revision, download_dir, mtp
     )
     if attention_impl is not None:
         cfg = cfg.replace(attention_impl=attention_impl)
@@ -293,6 +315,7 @@ def _load(
     resident: Collection[str] = (),
     revision: str | None = None,
     download_dir: str | None = None,
+    mtp: bool = False,
 ) -> tuple[Config, Params, Tokenizer, str]:
     from ds4jax.chat.tokenizer import load_tokenizer
     from ds4jax.config import load_config
@@ -300,7 +323,7 @@ def _load(
 
     if model is not None:
         d = resolve_model_dir(model, revision, download_dir)
-        cfg, params = load_any(d, dtype=dtype, shardings=shardings, resident=resident)
+        cfg, params = load_any(d, dtype=dtype, shardings=shardings, resident=resident, mtp=mtp)
         own = (d / "tokenizer.json").is_file() or any(d.glob("*.model"))
         return cfg, params, load_tokenizer(d if own else None), f"model {model}"
     if config is None:
@@ -309,7 +332,8 @@ def _load(
         raise ValueError("--weights fp8 / fp4-experts needs a checkpoint in the official "
                          "layout (--model)")  # fmt: skip
     cfg = load_config(config)
-    params = _placed(init_params(cfg, seed=seed, dtype=dtype), cfg, shardings)
+    params = _placed(init_params(cfg, seed=seed, dtype=dtype, mtp_layers=int(mtp)), cfg,
+                     shardings)  # fmt: skip
     what = (
         f"config {config!r} with RANDOM weights (seed {seed}): it shows the plumbing, "
         "its text is noise"

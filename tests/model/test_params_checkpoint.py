@@ -39,7 +39,7 @@ from ds4jax.model.official import (
     release_config,
     write_official_checkpoint,
 )
-from ds4jax.model.params import Params, path_name
+from ds4jax.model.params import Params, init_params, path_name
 from tests.model.tiny_model import assert_same, random_params, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,6 +104,30 @@ def test_restore_onto_a_named_sharding(saved: Path, params: Params) -> None:
     assert_same(got, params)
     with pytest.raises(ValueError, match="pytree"):
         restore_params(saved, shardings={"embed": one})
+
+
+def test_an_mtp_block_is_restored_only_when_asked(
+    saved: Path, params: Params, cfg: Config, tmp_path: Path
+) -> None:
+    """A checkpoint with the MTP block (the demo's) says so in its metadata; restored
+    without asking it gives the model's params alone, as a checkpoint without it does (the
+    block left unread, any dtype); asked for, the block too. Asked of a checkpoint without
+    one (`saved`, or one that predates the key): a clear error."""
+    mtp = init_params(cfg, 2, mtp_layers=1)["mtp"]
+    path = save_params({**params, "mtp": mtp}, cfg, tmp_path / "with")
+    assert read_metadata(path)["mtp_layers"] == 1
+    _, plain = restore_params(path)
+    assert_same(plain, params)
+    _, cast = restore_params(path, dtype=jnp.bfloat16)
+    assert "mtp" not in cast and cast["embed"].dtype == jnp.bfloat16
+    _, full = restore_params(path, mtp=True)
+    assert_same(full, {**params, "mtp": mtp})
+    _, full = restore_params(path, jax.sharding.SingleDeviceSharding(jax.devices()[0]),
+                             jnp.bfloat16, mtp=True)  # fmt: skip
+    assert full["mtp"][0]["e_proj"].dtype == jnp.bfloat16
+    assert read_metadata(saved)["mtp_layers"] == 0
+    with pytest.raises(CheckpointError, match="no MTP block"):
+        restore_params(saved, mtp=True)
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2+ devices (see the subprocess test)")
