@@ -309,6 +309,12 @@ def memory(rep: Row) -> list[Row]:
     ]  # fmt: skip
 
 
+def speculative(rep: Row) -> list[Row]:
+    return [ratio("speculative", f"decode tok/s speculative (MTP) / plain at B={r['B']}",
+                  f"{r['model']}, T={r['temperature']}, acceptance {r['acceptance']}",
+                  r["spec_tok_s"], r["plain_tok_s"], "tok/s") for r in rep["rows"]]  # fmt: skip
+
+
 PARTS = {
     "prompt": prompt,
     "model": model,
@@ -325,6 +331,7 @@ PARTS = {
     "ops": ops,
     "memory": memory,
     "stall": stall,
+    "speculative": speculative,
 }
 
 

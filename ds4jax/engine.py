@@ -256,7 +256,7 @@ class Engine:
         (`interleave.chunk_limit`; None: whole chunks). `speculative="mtp"`: steps of at
         most `speculative_max_batch` rows (default: the platform's measured crossover,
         `speculation.default_max_batch`) draft with the params' MTP block and verify
-        (`ds4jax.speculation`); dense rows in one process only in this version."""
+        (`ds4jax.speculation`); dense rows on one device only in this version."""
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer
@@ -855,9 +855,9 @@ class Engine:
         if "mtp" not in self.params:
             raise ValueError("--speculative mtp needs the model's MTP block, and these "
                              "weights have none (`mtp.*` in the release)")  # fmt: skip
-        if self.pages is not None or (self.mesh is not None and jax.process_count() > 1):
-            raise ValueError("--speculative mtp runs on dense rows in one process in this "
-                             "version: not with --paged or several processes")  # fmt: skip
+        if self.pages is not None or self.mesh is not None:
+            raise ValueError("--speculative mtp runs on dense rows on one device in this "
+                             "version: not with --paged or a mesh (--mesh none)")  # fmt: skip
         self.spec = Speculator(self.cfg, self.max_batch, self._place)
         self.spec_max_batch = default_max_batch() if max_batch is None else max_batch
 

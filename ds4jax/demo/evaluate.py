@@ -137,14 +137,16 @@ def score(
     }
 
 
-def make_engine(model: str, state_dtype: str = "f32") -> Engine:
+def make_engine(model: str, state_dtype: str = "f32", speculative: bool = False) -> Engine:
     """The engine the evaluation serves from: the checkpoint's params as they are, its config
     with `state_dtype` replaced — only how the state's rows are stored changes, so a score
-    difference is the state's rounding."""
+    difference is the state's rounding. `speculative`: decoding drafts with the model's MTP
+    block (issue 29; exact, so greedy scores must not move)."""
     from ds4jax.model.checkpoint import load_model
 
-    cfg, params, tokenizer, _ = load_model(model)
-    return Engine(cfg.replace(state_dtype=state_dtype), params, tokenizer, max_len=1024)
+    cfg, params, tokenizer, _ = load_model(model, mtp=speculative)
+    spec = dict(speculative="mtp", speculative_max_batch=1) if speculative else {}
+    return Engine(cfg.replace(state_dtype=state_dtype), params, tokenizer, max_len=1024, **spec)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,10 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--state-dtype", choices=STATE_DTYPES, default="f32", help="how the state's rows are held"
     )
+    ap.add_argument("--speculative", action="store_true",
+                    help="decode with the MTP block's drafts (--speculative mtp)")  # fmt: skip
     ap.add_argument("-v", "--verbose", action="store_true", help="print every task")
     args = ap.parse_args(argv)
-    engine = make_engine(args.model, args.state_dtype)
-    print(f"state dtype {engine.cfg.state_dtype}, thinking {args.thinking}, seed {args.seed}")
+    engine = make_engine(args.model, args.state_dtype, args.speculative)
+    print(f"state dtype {engine.cfg.state_dtype}, thinking {args.thinking}, seed {args.seed}"
+          + (", speculative (MTP)" if args.speculative else ""))  # fmt: skip
     results = score(engine, args.n, thinking=args.thinking == "on", seed=args.seed)
     failed = False
     for kind, outcomes in results.items():
@@ -173,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.verbose or not o.ok:
                 seen = [(r.calls, r.answer[:80]) for r in o.rounds]
                 print(f"   {'ok ' if o.ok else 'BAD'} {[r.prompt for r in o.task.rounds]} → {seen}")
+    if engine.spec is not None:
+        c = engine.spec.counts
+        print(f"drafts kept {c.accepted}/{c.proposed} ({c.accepted / max(c.proposed, 1):.1%}); "
+              f"{c.tokens} tokens in {c.steps} speculative steps")  # fmt: skip
     return 1 if failed else 0
 
 

@@ -115,6 +115,10 @@ def _sharding_tree(abstract: Params, shardings: Any) -> Params:
         shardings = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     if isinstance(shardings, jax.sharding.Sharding):
         return jax.tree.map(lambda _: shardings, abstract)
+    if "mtp" in abstract and "mtp" not in shardings:  # a mesh's rules place the model alone
+        mesh = next(s.mesh for s in jax.tree.leaves(shardings))
+        whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        shardings = {**shardings, "mtp": jax.tree.map(lambda _: whole, abstract["mtp"])}
     if jax.tree.structure(shardings) != jax.tree.structure(abstract):
         raise ValueError("shardings must be one Sharding or a pytree matching the params")
     return shardings
