@@ -151,17 +151,14 @@ class Speculator:
         `plan_row`). Returns (batch, next key data [size, 2], the rows that finished)."""
         first = np.full(size, SAMPLE, np.int32)
         second = np.full(size, -1, np.int32)
-        forced = np.zeros(size, bool)
         use_draft = np.zeros(size, bool)
         for row, plan in plans.items():
-            first[row], second[row] = plan.first, plan.second
-            forced[row], use_draft[row] = plan.second >= 0, plan.draft
-        second = jnp.where(use_draft, self.drafts[:size], second)
-        batch, t, kept, y, keys, X = verify_rows(
-            params, batch, first, second, forced, keys, *sampling, np.int32(eos),
-            cfg=self.cfg, size=size,
+            first[row], second[row], use_draft[row] = plan.first, plan.second, plan.draft
+        batch, t, x, kept, y, keys, X = verify_rows(
+            params, batch, first, second, self.drafts, use_draft, keys, *sampling,
+            np.int32(eos), cfg=self.cfg, size=size,
         )  # fmt: skip
-        t, kept, y, x = (np.asarray(a) for a in (t, kept, y, second))
+        t, x, kept, y, keys = jax.device_get((t, x, kept, y, keys))
         self.counts.steps += 1
         self.counts.row_steps += len(plans)
         after = np.zeros((size, 2), np.int32)
@@ -212,4 +209,4 @@ class Speculator:
             self.ran_to[row] = n0 + int(count[row]) if count[row] == evaluated else -1
         self.mtp, self.drafts = draft_rows(params, self.mtp, self.drafts, X, after, count, n,
                                            cfg=self.cfg, size=size)  # fmt: skip
-        return batch, np.asarray(keys), finished
+        return batch, keys, finished

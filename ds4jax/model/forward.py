@@ -142,9 +142,12 @@ def mtp_chunk(
 def mtp_forward(params: Params, H: jax.Array, tokens: jax.Array, state: Any,
                 attend: Callable[[int, Params, Any, jax.Array], tuple[jax.Array, Any]],
                 cfg: Config, depth: int = 0, rows: bool = False,
+                pick: Callable[[jax.Array], jax.Array] | None = None,
                 ) -> tuple[jax.Array, jax.Array, Any]:  # fmt: skip
     """`mtp_chunk` with its attention given: one sequence's chunk there, T tokens of each
-    of B rows in a batched speculative step (`model.speculative`, `rows`)."""
+    of B rows in a batched speculative step (`model.speculative`, `rows`). `pick`: the
+    streams the head runs on, of the block's (the positions a draft is read from: the
+    head is the block's largest weight)."""
     mcfg, mp = cfg.mtp_block(), params["mtp"][depth]
     e = rmsw(params["embed"][tokens].astype(jnp.float32), mp["enorm"], cfg.rms_eps)
     X = linear(e, mp["e_proj"])[:, None, :] + linear(rmsw(H, mp["hnorm"], cfg.rms_eps),
@@ -153,7 +156,7 @@ def mtp_forward(params: Params, H: jax.Array, tokens: jax.Array, state: Any,
     head = {"head": params["head"]} | {
         k: mp[k] for k in ("norm", "hc_head_fn", "hc_head_base", "hc_head_scale")
     }
-    return logits_of(head, cfg, X), X, state
+    return logits_of(head, cfg, X if pick is None else pick(X)), X, state
 
 
 #: the batched decode steps' row counts (`model.batch.BATCH_SIZES` past 1, plus the one

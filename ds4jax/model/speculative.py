@@ -148,8 +148,9 @@ def verify_rows(
     params: Params,
     batch: DecodeState,
     first: jax.Array,  # [size] int32: each row's next token, or −1 to sample it here
-    second: jax.Array,  # [size] int32: the token after it (draft or forced), or −1: none
-    forced: jax.Array,  # [size] bool: `second` is forced (kept without a test)
+    second: jax.Array,  # [size] int32: a forced token after it, or −1: none
+    drafts: jax.Array,  # [rows] int32: `draft_rows`' drafts (−1: none)
+    use_draft: jax.Array,  # [size] bool: the row's draft goes after its next token instead
     key_data: jax.Array,  # [size, 2] uint32
     temperature: jax.Array,
     top_k: jax.Array,
@@ -159,13 +160,16 @@ def verify_rows(
     *,
     cfg: Config,
     size: int,
-) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """One speculative step of rows [0, size). Returns (batch, `first` as evaluated [size]
-    (sampled where it was −1), whether `second` was kept [size], the token drawn after
-    what was kept [size], next key data, the streams of the two positions [size, 2, hc,
-    D]). An EOS is never evaluated (as in `model.batch.step`): a row whose first token is
-    EOS writes nothing, and an EOS second is tested on the first position's logits alone."""
+    (sampled where it was −1), the second token [size] (−1: none), whether it was kept
+    [size], the token drawn after what was kept [size], next key data, the streams of the
+    two positions [size, 2, hc, D]). A forced second is kept without a test. An EOS is
+    never evaluated (as in `model.batch.step`): a row whose first token is EOS writes
+    nothing, and an EOS second is tested on the first position's logits alone."""
     rows = jax.tree.map(lambda x: x[:size], batch)
+    forced = second >= 0
+    second = jnp.where(use_draft, drafts[:size], second)
     split = jax.vmap(lambda k: jax.random.split(k, 4))(jax.random.wrap_key_data(key_data))
     keys, k_first, k_test, k_next = (split[:, i] for i in range(4))
     sampling = (temperature, top_k, top_p, min_p)
@@ -187,7 +191,7 @@ def verify_rows(
         pos=rows.pos + live.astype(jnp.int32) + two.astype(jnp.int32),
         logits=jnp.where(live[:, None], after, rows.logits),
     )
-    return put_rows(batch, new), t, kept, y, jax.random.key_data(keys), X
+    return put_rows(batch, new), t, second, kept, y, jax.random.key_data(keys), X
 
 
 @partial(jax.jit, static_argnames=("cfg", "size"), donate_argnums=(1, 2))
@@ -210,9 +214,13 @@ def draft_rows(
     state = jax.tree.map(lambda x: x[:size], mtp)
     attend = row_attention(cfg.mtp_block(), n, count, 2)
     hc, D = X.shape[2:]
+    last = jnp.maximum(count - 1, 0)
+
+    def pick(Y: jax.Array) -> jax.Array:  # each row's last position run: its draft's
+        return jnp.take_along_axis(Y.reshape(size, 2, hc, D), last[:, None, None, None],
+                                   axis=1)[:, 0]  # fmt: skip
+
     logits, _, state = mtp_forward(params, X.reshape(-1, hc, D), after.reshape(-1), state,
-                                   attend, cfg, rows=True)  # fmt: skip
-    last = jnp.take_along_axis(logits.reshape(size, 2, -1),
-                               jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]  # fmt: skip
-    new = jnp.where(count > 0, argmax(last), -1).astype(jnp.int32)
+                                   attend, cfg, rows=True, pick=pick)  # fmt: skip
+    new = jnp.where(count > 0, argmax(logits), -1).astype(jnp.int32)
     return put_rows(mtp, state), drafts.at[:size].set(new)

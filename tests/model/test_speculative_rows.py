@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ds4jax.model import batch as batch_ops
 from ds4jax.model.forward import decode_step, prefill
@@ -167,4 +169,45 @@ def test_sampled_rows_hold_exactly_their_tokens(model) -> None:
                                chunk_sizes=CHUNKS)  # fmt: skip
         assert int(finals[r].pos) == len(row.tokens)
         np.testing.assert_allclose(np.asarray(finals[r].logits), np.asarray(logits),
+                                   atol=1e-4, rtol=1e-4)  # fmt: skip
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(data=st.data())
+def test_any_drafts_forces_and_eos_leave_plain_greedy(model, data) -> None:
+    """Property: whichever drafts are right (drawn per position, with extra weight on the
+    positions just before a compression boundary and as the window wraps), wherever tokens
+    are forced (tool-call tokens: forced, possibly right after a draft) and wherever the
+    EOS falls (a drafted EOS kept, or none), every row's tokens and final state are plain
+    greedy decoding's."""
+    cfg, params, prompts, states = model
+    n = data.draw(st.integers(4, N), label="n")
+    tokens = st.integers(3, cfg.vocab_size - 1)
+    force = [data.draw(st.dictionaries(st.integers(0, n - 1), tokens, max_size=4),
+                       label=f"force{r}") for r in range(3)]  # fmt: skip
+    stop_at = data.draw(st.one_of(st.none(), st.integers(0, n - 1)), label="eos at")
+    eos = -1
+    if stop_at is not None:
+        eos = plain_greedy(cfg, params, states[0], n, -1, force[0])[0][stop_at]
+    if eos in {t for f in force for t in f.values()}:
+        eos = -1  # a forced EOS is a different test (the decoder's, not the step's)
+    plain = [plain_greedy(cfg, params, s, n, eos, f) for s, f in zip(states, force, strict=True)]
+    p_right = data.draw(st.sampled_from([0.0, 0.5, 0.9, 1.0]), label="p right")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+
+    def propose(r: int, at: int, mtp_draft: int) -> int:
+        i = at + 1 - len(prompts[r])
+        toks = plain[r][0]
+        right = toks[i] if i < len(toks) else (eos if eos >= 0 else mtp_draft)
+        wrong = (right + 1 + int(rng.integers(cfg.vocab_size - 1))) % cfg.vocab_size
+        near = boundary(at + 1) or boundary(at + 2)
+        return right if rng.random() < (p_right / 2 if near else p_right) else wrong
+
+    rows = [Row(p, n, eos, f) for p, f in zip(prompts, force, strict=True)]
+    finals, _ = run(cfg, params, states, rows, drafts=propose)
+    for r, (want, state) in enumerate(plain):
+        assert rows[r].generated == want, r
+        assert int(finals[r].pos) == int(state.pos) == len(rows[r].tokens)
+        np.testing.assert_allclose(np.asarray(finals[r].logits), np.asarray(state.logits),
                                    atol=1e-4, rtol=1e-4)  # fmt: skip

@@ -352,6 +352,9 @@ _early: dict[str, Any] = {}
 #: the demo server's flags: no model flags, a session for each of six concurrent agents, a
 #: stats line every second, retained frontiers in pages
 DEMO_SERVE_ARGS = ("--sessions", "6", "--stats-interval", "1", "--paged")
+#: the demo speculating with its MTP block in every step of up to 8 rows (issue 29)
+SPEC_SERVE_ARGS = ("--speculative", "mtp", "--speculative-max-batch", "8", "--mesh", "none",
+                   "--stats-interval", "1")  # fmt: skip
 #: the multi-host group: two processes of 4 CPU devices each, one 4×2 mesh over all 8 with
 #: sessions' pages split along data (issue 28: shards 0-1 on process 0's devices, 2-3 on
 #: process 1's), a row on each shard (the chunk sizes the tests' prompts are cut into, as
@@ -402,6 +405,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         _early["demo_served"] = ServeProcess(*DEMO_SERVE_ARGS, model=())
     if "served_group" in wanted:
         _early["served_group"] = ServeGroup()
+    if "spec_served" in wanted:
+        _early["spec_served"] = ServeProcess(*SPEC_SERVE_ARGS, model=())
 
 
 def take_served(kind: str = "served") -> Any:
@@ -412,6 +417,17 @@ def take_served(kind: str = "served") -> Any:
 def demo_served() -> Iterator[ServeProcess]:
     """`ds4jax serve` with no model flags: the trained demo, on one device."""
     server = take_served("demo_served") or ServeProcess(*DEMO_SERVE_ARGS, model=())
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def spec_served() -> Iterator[ServeProcess]:
+    """`ds4jax serve --speculative mtp` on the trained demo."""
+    server = take_served("spec_served") or ServeProcess(*SPEC_SERVE_ARGS, model=())
     try:
         server.wait_ready()
         yield server
