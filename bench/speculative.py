@@ -24,7 +24,8 @@ from typing import Any
 from bench.report import write_json
 
 SIZES = (1, 4, 8)
-REPEATS = 3
+#: runs of each case per model (the demo's replies decode in ~0.1 s: more runs for a median)
+REPEATS = {"demo": 9, "bench-192m": 3}
 
 
 def _engines(name: str, max_len: int) -> tuple[Any, Any]:
@@ -68,9 +69,9 @@ def _requests(engine: Any, name: str, B: int, temperature: float, max_tokens: in
                                    sampling=sampling) for b in bodies]  # fmt: skip
 
 
-def _decode(engine: Any, reqs: list[Any]) -> tuple[float, int, list[str]]:
-    """(decode seconds, tokens decided in them, the outputs): the clock starts once every
-    request holds a row."""
+def _decode(engine: Any, reqs: list[Any]) -> tuple[float, int, int, list[str]]:
+    """(decode seconds, tokens decided in them, steps, the outputs): the clock starts once
+    every request holds a row."""
     engine.pool = type(engine.pool).create(len(engine.pool.sessions), **engine._pool_args)
     engine.tool_memory = type(engine.tool_memory)()
     tickets = [engine.submit(r) for r in reqs]
@@ -78,42 +79,51 @@ def _decode(engine: Any, reqs: list[Any]) -> tuple[float, int, list[str]]:
         engine.tick()
     before = sum(len(t.decoder.generated) for t in tickets if t.decoder is not None)
     t0 = time.perf_counter()
+    steps = 0
     while engine.busy:
         engine.tick()
+        steps += 1
     took = time.perf_counter() - t0
     for t in tickets:
         if t.error is not None:
             raise t.error
     tokens = sum(t.result.output_tokens for t in tickets) - before
-    return took, tokens, [t.result.raw_text for t in tickets]
+    return took, tokens, steps, [t.result.raw_text for t in tickets]
 
 
 def case(name: str, plain: Any, spec: Any, B: int, temperature: float, max_tokens: int,
          repeats: int) -> dict[str, Any]:  # fmt: skip
     rates: dict[str, list[float]] = {"plain": [], "spec": []}
+    step_ms: dict[str, list[float]] = {"plain": [], "spec": []}
     same = True
     counts = spec.spec.counts
     proposed, accepted = counts.proposed, counts.accepted
     for _ in range(repeats):
         outs = {}
         for label, engine in (("plain", plain), ("spec", spec)):
-            took, tokens, outs[label] = _decode(engine, _requests(engine, name, B, temperature,
-                                                                  max_tokens))  # fmt: skip
+            reqs = _requests(engine, name, B, temperature, max_tokens)
+            took, tokens, steps, outs[label] = _decode(engine, reqs)
             rates[label].append(tokens / took)
+            step_ms[label].append(1000 * took / max(steps, 1))
         same &= outs["plain"] == outs["spec"]
     drafts = counts.proposed - proposed
     row = {
         "model": name, "B": B, "temperature": temperature,
         "plain_tok_s": round(statistics.median(rates["plain"]), 1),
         "spec_tok_s": round(statistics.median(rates["spec"]), 1),
+        "plain_step_ms": round(statistics.median(step_ms["plain"]), 2),
+        "spec_step_ms": round(statistics.median(step_ms["spec"]), 2),
+        "spec_tok_s_range": [round(min(rates["spec"]), 1), round(max(rates["spec"]), 1)],
+        "plain_tok_s_range": [round(min(rates["plain"]), 1), round(max(rates["plain"]), 1)],
         "drafts": drafts,
         "acceptance": round((counts.accepted - accepted) / drafts, 3) if drafts else None,
     }  # fmt: skip
     row["ratio"] = round(row["spec_tok_s"] / row["plain_tok_s"], 3)
     if temperature == 0:
         row["greedy_outputs_identical"] = same
-    print(f"  {name} B={B} T={temperature}: plain {row['plain_tok_s']} tok/s, speculative "
-          f"{row['spec_tok_s']} ({row['ratio']}x), acceptance {row['acceptance']}"
+    print(f"  {name} B={B} T={temperature}: plain {row['plain_tok_s']} tok/s "
+          f"({row['plain_step_ms']} ms a step), speculative {row['spec_tok_s']} "
+          f"({row['spec_step_ms']} ms) = {row['ratio']}x, acceptance {row['acceptance']}"
           + (f", identical {same}" if temperature == 0 else ""),
           flush=True)  # fmt: skip
     return row
@@ -121,7 +131,7 @@ def case(name: str, plain: Any, spec: Any, B: int, temperature: float, max_token
 
 def main(quick: bool = False) -> dict[str, Any]:
     stamp = datetime.now().strftime("%Y-%m-%d-%H%M")
-    repeats = 1 if quick else REPEATS
+
     rows = []
     plan = [("demo", 1024, (0.0, 1.0), 256), ("bench-192m", 512, (0.0,), 24 if quick else 48)]
     for name, max_len, temps, max_tokens in plan:
@@ -131,8 +141,9 @@ def main(quick: bool = False) -> dict[str, Any]:
                 _decode(engine, _requests(engine, name, B, 0.0, 4))
         for B in SIZES[:1] if quick else SIZES:
             for T in temps:
-                rows.append(case(name, plain, spec, B, T, max_tokens, repeats))
-    out = {"rows": rows, "repeats": repeats, "stamp": stamp}
+                rows.append(case(name, plain, spec, B, T, max_tokens,
+                                 1 if quick else REPEATS[name]))  # fmt: skip
+    out = {"rows": rows, "repeats": REPEATS, "stamp": stamp}
     write_json("speculative", out, quick)
     return out
 
