@@ -25,7 +25,7 @@ from typing import Any
 from ds4jax.chat.anthropic import parse_messages_request, response_content
 from ds4jax.continuation.types import CacheSource
 from ds4jax.demo.corpus import Call, Task, held_out_tasks, request_body, run_tool
-from ds4jax.engine import Engine, Result
+from ds4jax.engine import Engine, Result, SamplingParams
 
 #: Seed of the held-out draw (training draws from other templates, so any seed is unseen).
 HELD_OUT_SEED = 1_000_003
@@ -67,7 +67,8 @@ class Outcome:
 
 def _serve(engine: Engine, body: dict[str, Any]) -> Result:
     req = parse_messages_request(body, max_context=engine.max_len)
-    return engine.run(engine.prepare_request(req))
+    sampling = SamplingParams(temperature=req.temperature or 0.0)
+    return engine.run(engine.prepare_request(req, sampling=sampling))
 
 
 def _key(name: str, args: dict[str, Any]) -> tuple:
@@ -81,11 +82,15 @@ def _same_calls(got: list[dict[str, Any]], want: tuple[Call, ...]) -> bool:
     )
 
 
-def run_task(engine: Engine, task: Task, *, thinking: bool = True) -> Outcome:
+def run_task(engine: Engine, task: Task, *, thinking: bool = True,
+             temperature: float | None = None) -> Outcome:  # fmt: skip
     """The task's rounds in one conversation; stops at the first round that goes wrong
-    (its later rounds would build on a history the client never had)."""
+    (its later rounds would build on a history the client never had). `temperature`: the
+    requests' (None: the server's default, greedy)."""
     out = Outcome(task)
     body = request_body(task, thinking=thinking, system=None)
+    if temperature is not None:
+        body["temperature"] = temperature
     for k, rnd in enumerate(task.rounds):
         if k:
             body["messages"].append({"role": "user", "content": rnd.prompt})
@@ -127,12 +132,20 @@ def run_task(engine: Engine, task: Task, *, thinking: bool = True) -> Outcome:
 
 
 def score(
-    engine: Engine, n: int, *, thinking: bool = True, seed: int = HELD_OUT_SEED
+    engine: Engine,
+    n: int,
+    *,
+    thinking: bool = True,
+    seed: int = HELD_OUT_SEED,
+    temperature: float | None = None,
 ) -> dict[str, list[Outcome]]:
     """`n` held-out tasks of each scored kind. Another `seed` draws other held-out tasks:
     a check that a recipe chosen by the default draw's scores was not fitted to it."""
     return {
-        kind: [run_task(engine, t, thinking=thinking) for t in held_out_tasks(n, seed, kind)]
+        kind: [
+            run_task(engine, t, thinking=thinking, temperature=temperature)
+            for t in held_out_tasks(n, seed, kind)
+        ]
         for kind in BARS
     }
 
@@ -160,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--state-dtype", choices=STATE_DTYPES, default="f32", help="how the state's rows are held"
     )
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="sample the replies at this temperature (default: greedy)")  # fmt: skip
     ap.add_argument("--speculative", action="store_true",
                     help="decode with the MTP block's drafts (--speculative mtp)")  # fmt: skip
     ap.add_argument("-v", "--verbose", action="store_true", help="print every task")
@@ -167,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = make_engine(args.model, args.state_dtype, args.speculative)
     print(f"state dtype {engine.cfg.state_dtype}, thinking {args.thinking}, seed {args.seed}"
           + (", speculative (MTP)" if args.speculative else ""))  # fmt: skip
-    results = score(engine, args.n, thinking=args.thinking == "on", seed=args.seed)
+    results = score(engine, args.n, thinking=args.thinking == "on", seed=args.seed,
+                    temperature=args.temperature)  # fmt: skip
     failed = False
     for kind, outcomes in results.items():
         good = sum(o.ok for o in outcomes)
