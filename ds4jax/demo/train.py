@@ -229,6 +229,43 @@ def _bar(done: int, total: int, loss: float, t0: float) -> None:
     sys.stderr.flush()
 
 
+def run_steps(
+    total: int, one: Callable[[int], jax.Array], log: Callable[[str], None]
+) -> tuple[list[float], float]:
+    """`total` optimizer steps, `one(i)` running step i and returning its loss: the first
+    (compiling) step's time said apart, a progress bar every ten. Returns (the loss every
+    ten steps and the last's, seconds after the first step)."""
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    for i in range(total):
+        loss = one(i)
+        if i == 0:
+            loss.block_until_ready()
+            log(f"first step (compile) {time.perf_counter() - t0:.0f}s")
+            t0 = time.perf_counter()
+        if i % 10 == 9 or i == total - 1:
+            losses.append(float(loss))
+            _bar(i + 1, total, losses[-1], t0)
+    sys.stderr.write("\n")
+    return losses, time.perf_counter() - t0
+
+
+def training_record(settings: Any, losses: list[float], train_s: float, t_start: float,
+                    **extra: Any) -> dict[str, Any]:  # fmt: skip
+    """What `training.json` keeps of a run: its settings, the loss curve, the timings and
+    where it ran (`extra`: a trainer's own figures, after the loss curve)."""
+    return {
+        "settings": dataclasses.asdict(settings),
+        "final_loss": losses[-1],
+        "loss_every_10_steps": [round(x, 4) for x in losses],
+        **extra,
+        "train_seconds": round(train_s, 1),
+        "total_seconds": round(time.perf_counter() - t_start, 1),
+        "jax": jax.__version__,
+        "devices": [str(d) for d in jax.devices()],
+    }
+
+
 def train(
     settings: TrainSettings, out: Path, *, log: Callable[[str], None] = _say
 ) -> dict[str, Any]:
@@ -264,9 +301,9 @@ def train(
         opt_state = opt.init(floats)
         step = make_step(cfg, settings.prefix_len + max(settings.suffix_lens), opt)
         rng = np.random.default_rng(settings.seed)
-        losses: list[float] = []
-        t0 = time.perf_counter()
-        for i in range(settings.steps):
+
+        def one(_: int) -> jax.Array:
+            nonlocal floats, opt_state
             g, b, idx = draw_batch(rng, corpus, settings.batch)
             n = settings.suffix_lens[b]
             with dense_moe():  # traced on the first step of each bucket
@@ -274,30 +311,16 @@ def train(
                     floats, frozen, treedef, kinds, opt_state, prefixes[g],
                     len(corpus.prefixes[g]), corpus.suffix[idx, :n], corpus.mask[idx, :n],
                 )  # fmt: skip
-            if i == 0:
-                loss.block_until_ready()
-                log(f"first step (compile) {time.perf_counter() - t0:.0f}s")
-                t0 = time.perf_counter()
-            if i % 10 == 9 or i == settings.steps - 1:
-                losses.append(float(loss))
-                _bar(i + 1, settings.steps, losses[-1], t0)
-        sys.stderr.write("\n")
-        train_s = time.perf_counter() - t0
+            return loss
+
+        losses, train_s = run_steps(settings.steps, one, log)
         params = join_params(floats, frozen, treedef, kinds)
         save_params(params, cfg, out, force=True)
         for suffix in (".model", ".vocab"):
             shutil.copyfile(spm_path.with_suffix(suffix), out / (TOKENIZER_NAME + suffix))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    record = {
-        "settings": dataclasses.asdict(settings),
-        "final_loss": losses[-1],
-        "loss_every_10_steps": [round(x, 4) for x in losses],
-        "train_seconds": round(train_s, 1),
-        "total_seconds": round(time.perf_counter() - t_start, 1),
-        "jax": jax.__version__,
-        "devices": [str(d) for d in jax.devices()],
-    }
+    record = training_record(settings, losses, train_s, t_start)
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     log(f"saved {out}: final loss {losses[-1]:.4f}, {record['total_seconds']:.0f}s in all")
     return record

@@ -56,12 +56,13 @@ from ds4jax.demo.train import (
     TOKENIZER_NAME,
     Corpus,
     TrainSettings,
-    _bar,
     _say,
     dense_moe,
     draw_batch,
     encode_corpus,
     pad_prefixes,
+    run_steps,
+    training_record,
 )
 from ds4jax.model.checkpoint import is_params_checkpoint, restore_params, save_params
 from ds4jax.model.forward import forward_chunk, mtp_chunk
@@ -242,36 +243,22 @@ def train_mtp(
         opt_state = jax.device_put(opt.init(mtp), jax.devices()[0])
         step = make_step(cfg, max_len, opt)
         rng = np.random.default_rng(settings.seed)
-        losses: list[float] = []
-        t0 = time.perf_counter()
-        for i in range(settings.steps):
+
+        def one(_: int) -> jax.Array:
+            nonlocal mtp, opt_state
             g, b, idx = draw_batch(rng, corpus, settings.batch)
             n = lens[b]
             mtp, opt_state, loss = step(
                 mtp, opt_state, params, ctx.states[g], ctx.streams[g], ctx.after[g],
                 ctx.lengths[g], corpus.suffix[idx, :n], corpus.mask[idx, :n],
             )  # fmt: skip
-            if i == 0:
-                loss.block_until_ready()
-                log(f"first step (compile) {time.perf_counter() - t0:.0f}s")
-                t0 = time.perf_counter()
-            if i % 10 == 9 or i == settings.steps - 1:
-                losses.append(float(loss))
-                _bar(i + 1, settings.steps, losses[-1], t0)
-        sys.stderr.write("\n")
-        train_s = time.perf_counter() - t0
+            return loss
+
+        losses, train_s = run_steps(settings.steps, one, log)
         after = score(params, mtp, cfg, held, held_ctx, settings.batch, max_len)
     log(f"trained block: {after}")
-    record = {
-        "settings": dataclasses.asdict(settings),
-        "final_loss": losses[-1],
-        "loss_every_10_steps": [round(x, 4) for x in losses],
-        "held_out": {"trained": after, "random_init": before},
-        "train_seconds": round(train_s, 1),
-        "total_seconds": round(time.perf_counter() - t_start, 1),
-        "jax": jax.__version__,
-        "devices": [str(d) for d in jax.devices()],
-    }
+    record = training_record(settings, losses, train_s, t_start,
+                             held_out={"trained": after, "random_init": before})  # fmt: skip
     save_with_block(params, mtp, cfg, src, out, record)
     log(f"saved {out}: final loss {losses[-1]:.4f}, {record['total_seconds']:.0f}s in all")
     return record
