@@ -173,6 +173,20 @@ def test_a_cancelled_row_leaves_and_the_others_go_on(batch_engine) -> None:
     assert np.abs(engine.logits_for(live.tokens) - np.asarray(live.state.logits)).max() <= 1e-5
 
 
+def ls_result_turn(body: dict[str, Any], tid: str) -> dict[str, Any]:
+    """`body` (whose turn called `bash ls`, forced from `tool_call_text("ls")`) followed by
+    that call as the client replays it and its result: the tool-result turn."""
+    follow = copy.deepcopy(body)
+    follow["messages"] += [
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "I should run it."},
+            {"type": "tool_use", "id": tid, "name": "bash", "input": {"command": "ls"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": tid, "content": "a.py"}]},
+    ]  # fmt: skip
+    return follow
+
+
 def test_a_tool_loop_continues_live_after_a_batched_decode(batch_engine) -> None:
     engine = fresh(batch_engine)
     call = forced(engine, tool_call_text("ls"))
@@ -187,15 +201,7 @@ def test_a_tool_loop_continues_live_after_a_batched_decode(batch_engine) -> None
             engine.submit(prepared(engine, "Chat with me.", 60))
         while not first.finished.is_set():
             engine.tick()
-        tid = first.result.tool_ids[0]
-        follow = copy.deepcopy(body)
-        follow["messages"] += [
-            {"role": "assistant", "content": [
-                {"type": "thinking", "thinking": "I should run it."},
-                {"type": "tool_use", "id": tid, "name": "bash", "input": {"command": "ls"}}]},
-            {"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": tid, "content": "a.py"}]},
-        ]  # fmt: skip
+        follow = ls_result_turn(body, first.result.tool_ids[0])
         res = engine.run(engine.prepare_request(parse_messages_request(follow), max_tokens=6,
                                                 sampling=GREEDY))  # fmt: skip
         live = engine.pool.sessions[res.session].live

@@ -8,7 +8,6 @@ second tokens: the kept path); `tests/model/test_speculative_rows.py` keeps righ
 
 from __future__ import annotations
 
-import copy
 import threading
 from typing import Any
 
@@ -20,7 +19,7 @@ from ds4jax.continuation.types import CacheSource
 from ds4jax.engine import Engine, SamplingParams
 from ds4jax.model.params import init_params
 from tests.continuation.conftest import TOOLS, forced, like, tool_call_text
-from tests.continuation.test_batching import GREEDY, active_rows, fresh, prepared
+from tests.continuation.test_batching import GREEDY, active_rows, fresh, ls_result_turn, prepared
 
 TEXTS = ["Name three rivers.", "Count to five.", "What is JAX?"]
 
@@ -125,15 +124,7 @@ def test_a_tool_loop_continues_live_after_a_speculative_turn(engines) -> None:
         first = engine.submit(req, forced_tokens=call)
         while engine.busy:
             engine.tick()
-        tid = first.result.tool_ids[0]
-        follow = copy.deepcopy(body)
-        follow["messages"] += [
-            {"role": "assistant", "content": [
-                {"type": "thinking", "thinking": "I should run it."},
-                {"type": "tool_use", "id": tid, "name": "bash", "input": {"command": "ls"}}]},
-            {"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": tid, "content": "a.py"}]},
-        ]  # fmt: skip
+        follow = ls_result_turn(body, first.result.tool_ids[0])
         res = engine.run(engine.prepare_request(parse_messages_request(follow), max_tokens=8,
                                                 sampling=GREEDY))  # fmt: skip
         out.append((res, engine.pool.sessions[res.session].live))
