@@ -120,6 +120,7 @@ class Speculator:
             if planned == SAMPLE:
                 return Plan(SAMPLE, self.position(row, dec))
             dec.accept(planned)
+            self.counts.tokens += 1
             if planned == eos:
                 return None
             self.pending[row] = planned
@@ -131,6 +132,7 @@ class Speculator:
             return plan
         if nxt != SAMPLE:
             dec.accept(nxt)
+            self.counts.tokens += 1
             plan.second = nxt
         elif self.ran_to[row] == plan.at:
             plan.draft = True
