@@ -84,6 +84,7 @@ from ds4jax.model.forward import CHUNK_SIZES, plan_chunks, prefill
 from ds4jax.model.page_io import PagedFrontier, small_part
 from ds4jax.model.params import Params
 from ds4jax.model.sharding import DATA_AXIS, batch_sharding, fetch, replicated
+from ds4jax.model.speculative import paged_verify_rows, verify_rows
 from ds4jax.model.state import (
     SPAN_BASE,
     capacity_bytes,
@@ -256,7 +257,7 @@ class Engine:
         (`interleave.chunk_limit`; None: whole chunks). `speculative="mtp"`: steps of at
         most `speculative_max_batch` rows (default: the platform's measured crossover,
         `speculation.default_max_batch`) draft with the params' MTP block and verify
-        (`ds4jax.speculation`); dense rows on one device only in this version."""
+        (`ds4jax.speculation`); on one device only in this version."""
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer
@@ -855,9 +856,9 @@ class Engine:
         if "mtp" not in self.params:
             raise ValueError("--speculative mtp needs the model's MTP block, and these "
                              "weights have none (`mtp.*` in the release)")  # fmt: skip
-        if self.pages is not None or self.mesh is not None:
-            raise ValueError("--speculative mtp runs on dense rows on one device in this "
-                             "version: not with --paged or a mesh (--mesh none)")  # fmt: skip
+        if self.mesh is not None:
+            raise ValueError("--speculative mtp runs on one device in this version: not "
+                             "with a mesh (--mesh none)")  # fmt: skip
         self.spec = Speculator(self.cfg, self.max_batch, self._place)
         self.spec_max_batch = default_max_batch() if max_batch is None else max_batch
 
@@ -943,13 +944,33 @@ class Engine:
         if not plans:
             return 0, 0
         self._grow_batch(list(plans), 2)
-        with self._on_mesh():
-            self._batch, keys, finished = spec.step(
-                self.params, self._batch, plans, decoders, sampling, self._keys[:size], eos, size
-            )
+        grid = None
+        if self.pages is not None:
+            grid = self._grid(size, list(plans), 2)
+            plans = {r: p for r, p in plans.items() if self._rows[r] is not None}
+            if not plans:
+                return 0, 0
+
+        def verify(*args: Any) -> Any:
+            if grid is None:
+                self._batch, out = verify_rows(self.params, self._batch, *args, cfg=self.cfg,
+                                               size=size)  # fmt: skip
+                return out
+            self._batch, self.pages.arrays, out = paged_verify_rows(
+                self.params, self._batch, self.pages.arrays, grid, *args, cfg=self.cfg,
+                size=size, span=self._batch_span,
+            )  # fmt: skip
+            return out
+
+        keys, finished = spec.step(self.params, verify, plans, decoders, sampling,
+                                   self._keys[:size], eos, size)  # fmt: skip
         for row in plans:
             self._keys[row] = keys[row]
             ticket = self._rows[row]
+            if grid is not None:  # the table back to what the row evaluated
+                held = spec.position(row, ticket.decoder)
+                if held < self._tables[row].tokens:
+                    self._tables[row] = self.pages.pool.trim(self._tables[row], held)
             if ticket.on_token is not None:
                 ticket.on_token()
         for row in finished:
@@ -1006,15 +1027,15 @@ class Engine:
         with self._on_mesh():
             return prefill(self.params, state, tokens, self.cfg, chunk_sizes=chunk_sizes)[0]
 
-    def _grid(self, size: int, stepping: list[int]) -> np.ndarray:
+    def _grid(self, size: int, stepping: list[int], tokens: int = 1) -> np.ndarray:
         """The page tables of rows [0, size) for a step, each stepping row's grown by the
-        token it evaluates (its tail page its own); other rows' are all null pages, so
+        `tokens` it may evaluate (its tail its own); other rows' are all null pages, so
         they neither read nor write any page."""
         width = pages_for(self._batch_span)
         grid = np.zeros((size, width), np.int32)
         for row in stepping:
             try:
-                self._tables[row] = self._advance(self._tables[row])
+                self._tables[row] = self._advance(self._tables[row], tokens)
             except OutOfPages as err:  # the row ends; its session keeps its prompt end
                 self._rows[row], ticket = None, self._rows[row]
                 self.pages.pool.release(self._tables[row])
@@ -1025,19 +1046,19 @@ class Engine:
             grid[row] = self._tables[row].padded(width)
         return grid
 
-    def _advance(self, table: PageTable) -> PageTable:
-        """A row's table grown by the token its step evaluates; when the pool is full, fork
-        points and idle sessions give up pages first, as the state budget orders them
+    def _advance(self, table: PageTable, tokens: int = 1) -> PageTable:
+        """A row's table grown by the tokens its step may evaluate; when the pool is full,
+        fork points and idle sessions give up pages first, as the state budget orders them
         (`continuation.pool.evictions`), and the growth is tried once more."""
         try:
-            return self.pages.advance(table, 1)
+            return self.pages.advance(table, tokens)
         except OutOfPages as err:
             with self._state_lock:
                 held = self.pool.state_bytes()
             target = held - err.wanted * self.pages.page_nbytes
             if not self._enforce_budget(None, target, pages=err.wanted):
                 raise
-            return self.pages.advance(table, 1)
+            return self.pages.advance(table, tokens)
 
     def _release_tables(self) -> None:
         for row, table in enumerate(self._tables):

@@ -23,6 +23,7 @@ drafts right after see a short window — which costs acceptance, never exactnes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,7 +33,7 @@ import numpy as np
 
 from ds4jax.config import Config
 from ds4jax.model import batch as batch_ops
-from ds4jax.model.speculative import draft_rows, verify_rows
+from ds4jax.model.speculative import Verify, draft_rows
 
 SAMPLE = -1  # `Planner.plan`: no forced token, the row samples
 
@@ -141,25 +142,25 @@ class Speculator:
     def step(
         self,
         params: Any,
-        batch: Any,
+        verify: Callable[..., Verify],
         plans: dict[int, Plan],
         decoders: dict[int, Planner],
         sampling: tuple[np.ndarray, ...],
         keys: np.ndarray,
         eos: int,
         size: int,
-    ) -> tuple[Any, np.ndarray, list[int]]:
+    ) -> tuple[np.ndarray, list[int]]:
         """One speculative step of rows [0, size) (`plans`: the stepping rows' parts,
-        `plan_row`). Returns (batch, next key data [size, 2], the rows that finished)."""
+        `plan_row`). `verify(*args)` runs the step's program over `model.speculative.Verify`'s
+        arguments on whatever holds the rows (`verify_rows`, `paged_verify_rows`) and
+        returns its outputs. Returns (next key data [size, 2], the rows that finished)."""
         first = np.full(size, SAMPLE, np.int32)
         second = np.full(size, -1, np.int32)
         use_draft = np.zeros(size, bool)
         for row, plan in plans.items():
             first[row], second[row], use_draft[row] = plan.first, plan.second, plan.draft
-        batch, t, x, kept, y, keys, X = verify_rows(
-            params, batch, first, second, self.drafts, use_draft, keys, *sampling,
-            np.int32(eos), cfg=self.cfg, size=size,
-        )  # fmt: skip
+        t, x, kept, y, keys, X = verify(first, second, self.drafts, use_draft, keys, *sampling,
+                                        np.int32(eos))  # fmt: skip
         t, x, kept, y, keys = jax.device_get((t, x, kept, y, keys))
         self.counts.steps += 1
         self.counts.row_steps += len(plans)
@@ -211,4 +212,4 @@ class Speculator:
             self.ran_to[row] = n0 + int(count[row]) if count[row] == evaluated else -1
         self.mtp, self.drafts = draft_rows(params, self.mtp, self.drafts, X, after, count, n,
                                            cfg=self.cfg, size=size)  # fmt: skip
-        return batch, keys, finished
+        return keys, finished

@@ -84,8 +84,8 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--speculative", choices=["mtp"], default=None,
                     help="speculative decoding: the model's MTP block drafts the token after "
                     "each row's next, verified in the same step (exact: greedy output "
-                    "is unchanged, sampling keeps its distribution); dense rows on one "
-                    "device (--mesh none)")  # fmt: skip
+                    "is unchanged, sampling keeps its distribution); one device (--mesh "
+                    "none)")  # fmt: skip
     sp.add_argument("--speculative-max-batch", type=int, default=None, metavar="B",
                     help="speculate only in steps of at most B rows (default: where it "
                     "was measured to pay on this platform; 0 on CPU)")  # fmt: skip

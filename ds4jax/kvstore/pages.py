@@ -200,13 +200,19 @@ class PagePool:
         return self._append(table, tokens, moved=True)
 
     def trim(self, table: PageTable, tokens: int) -> PageTable:
-        """`table` cut back to its first `tokens` tokens (a row's table grown for a token
-        the step did not evaluate: an EOS), its references moving (the caller drops
-        `table`); pages past the cut are released. Written marks stay where they are."""
+        """`table` cut back to its first `tokens` tokens (a row's table grown for tokens
+        the step did not keep: an EOS, a rejected speculative draft), its references moving
+        (the caller drops `table`); pages past the cut are released. A tail page this table
+        alone holds has its written mark brought back to the cut — nothing else reads past
+        it, and the row's next append then writes in place rather than into a copy; a
+        shared one keeps its mark."""
         if tokens > table.tokens:
             raise ValueError(f"{table} cannot be trimmed to {tokens} tokens")
         k = pages_for(tokens)
         self.release(PageTable(table.pages[k:], 0))
+        fill = tokens % PAGE_TOKENS
+        if k and fill and self.refs[table.pages[k - 1]] == 1:
+            self.written[table.pages[k - 1]] = fill
         return PageTable(table.pages[:k], tokens)
 
     def _append(self, table: PageTable, tokens: int, moved: bool,

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.config import Config
+from ds4jax.model import page_io
 from ds4jax.model.batch import forward_rows_chunks, put_rows, row_attention
 from ds4jax.model.forward import CHUNK_SIZES, forward_chunk, mtp_chunk, mtp_forward, plan_chunks
 from ds4jax.model.params import Params
@@ -143,31 +144,23 @@ def generate_greedy(
     return run
 
 
-@partial(jax.jit, static_argnames=("cfg", "size"), donate_argnums=1)
-def verify_rows(
-    params: Params,
-    batch: DecodeState,
-    first: jax.Array,  # [size] int32: each row's next token, or −1 to sample it here
-    second: jax.Array,  # [size] int32: a forced token after it, or −1: none
-    drafts: jax.Array,  # [rows] int32: `draft_rows`' drafts (−1: none)
-    use_draft: jax.Array,  # [size] bool: the row's draft goes after its next token instead
-    key_data: jax.Array,  # [size, 2] uint32
-    temperature: jax.Array,
-    top_k: jax.Array,
-    top_p: jax.Array,
-    min_p: jax.Array,
-    eos_id: jax.Array,
-    *,
-    cfg: Config,
-    size: int,
-) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """One speculative step of rows [0, size). Returns (batch, `first` as evaluated [size]
-    (sampled where it was −1), the second token [size] (−1: none), whether it was kept
-    [size], the token drawn after what was kept [size], next key data, the streams of the
-    two positions [size, 2, hc, D]). A forced second is kept without a test. An EOS is
-    never evaluated (as in `model.batch.step`): a row whose first token is EOS writes
-    nothing, and an EOS second is tested on the first position's logits alone."""
-    rows = jax.tree.map(lambda x: x[:size], batch)
+#: a speculative step's per-row arguments after the batch: first [size] int32 (each row's
+#: next token, or −1 to sample it here), second [size] int32 (a forced token after it, or
+#: −1: none), drafts [rows] int32 (`draft_rows`' drafts, −1: none), use_draft [size] bool
+#: (the row's draft goes after its next token instead), key data [size, 2] uint32, the
+#: sampling arrays (temperature, top_k, top_p, min_p) and the EOS id
+Verify = tuple[jax.Array, ...]
+
+
+def _verify(params: Params, rows: DecodeState, first: jax.Array, second: jax.Array,
+            drafts: jax.Array, use_draft: jax.Array, key_data: jax.Array,
+            temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
+            eos_id: jax.Array, cfg: Config) -> tuple[DecodeState, Verify]:  # fmt: skip
+    """The step on dense rows, whatever holds them (a dense batch, or pages read through
+    the rows' tables). Returns (the rows after it, (`first` as evaluated — sampled where it
+    was −1 —, the second token or −1, whether it was kept, the token drawn after what was
+    kept, next key data, the streams of the two positions [size, 2, hc, D]))."""
+    size = first.shape[0]
     forced = second >= 0
     second = jnp.where(use_draft, drafts[:size], second)
     split = jax.vmap(lambda k: jax.random.split(k, 4))(jax.random.wrap_key_data(key_data))
@@ -191,7 +184,36 @@ def verify_rows(
         pos=rows.pos + live.astype(jnp.int32) + two.astype(jnp.int32),
         logits=jnp.where(live[:, None], after, rows.logits),
     )
-    return put_rows(batch, new), t, second, kept, y, jax.random.key_data(keys), X
+    return new, (t, second, kept, y, jax.random.key_data(keys), X)
+
+
+@partial(jax.jit, static_argnames=("cfg", "size"), donate_argnums=1)
+def verify_rows(params: Params, batch: DecodeState, *args: jax.Array, cfg: Config,
+                size: int) -> tuple[DecodeState, Verify]:  # fmt: skip
+    """One speculative step of the dense batch's rows [0, size) (`args`: `Verify`'s).
+    Returns (batch, `_verify`'s outputs). A forced second is kept without a test. An EOS is
+    never evaluated (as in `model.batch.step`): a row whose first token is EOS writes
+    nothing, and an EOS second is tested on the first position's logits alone."""
+    new, out = _verify(params, jax.tree.map(lambda x: x[:size], batch), *args, cfg)
+    return put_rows(batch, new), out
+
+
+@partial(jax.jit, static_argnames=("cfg", "size", "span"), donate_argnums=(1, 2))
+def paged_verify_rows(params: Params, batch: DecodeState, arrays: page_io.Arrays,
+                      tables: jax.Array, *args: jax.Array, cfg: Config, size: int,
+                      span: int) -> tuple[DecodeState, page_io.Arrays, Verify]:  # fmt: skip
+    """`verify_rows` for rows whose long part lives in the page pool (as
+    `model.batch.paged_step`; each table grown by two tokens, its tail its own): the rows
+    are read through their tables, and the compressed and indexer rows a kept position
+    completed are written into the row's pages — a rejected position's never (at most
+    one per layer a step: no ratio is below 2). Returns (small parts, pool, `_verify`'s
+    outputs)."""
+    small = jax.tree.map(lambda x: x[:size], batch)
+    rows = page_io.with_pages(small, arrays, tables, cfg, span)
+    new, out = _verify(params, rows, *args, cfg)
+    for at in (small.pos, small.pos + 1):  # each position the step may have kept
+        arrays = page_io.put_new_rows(arrays, new, at, tables, cfg, cfg.state_dtype)
+    return put_rows(batch, page_io.small_part(new)), arrays, out
 
 
 @partial(jax.jit, static_argnames=("cfg", "size"), donate_argnums=(1, 2))

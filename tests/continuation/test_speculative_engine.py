@@ -17,6 +17,7 @@ import pytest
 from ds4jax.chat.anthropic import parse_messages_request
 from ds4jax.continuation.types import CacheSource
 from ds4jax.engine import Engine, SamplingParams
+from ds4jax.model.forward import decode_step
 from ds4jax.model.params import init_params
 from tests.continuation.conftest import TOOLS, forced, like, tool_call_text
 from tests.continuation.test_batching import GREEDY, active_rows, fresh, ls_result_turn, prepared
@@ -24,16 +25,19 @@ from tests.continuation.test_batching import GREEDY, active_rows, fresh, ls_resu
 TEXTS = ["Name three rivers.", "Count to five.", "What is JAX?"]
 
 
+def speculating(e: Engine, **kw: Any) -> Engine:
+    """`like(e, **kw)` with a random MTP block, speculating in steps of up to 4 rows."""
+    mtp = init_params(e.cfg, 5, mtp_layers=1)["mtp"]
+    return Engine(e.cfg, {**e.params, "mtp": mtp}, e.tokenizer, max_len=e.max_len,
+                  chunk_sizes=e.chunk_sizes, speculative="mtp", speculative_max_batch=4,
+                  **kw)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def engines(_engine: Engine) -> tuple[Engine, Engine]:
     """(plain, speculative) engines on the same weights, batches of up to 4."""
-    mtp = init_params(_engine.cfg, 5, mtp_layers=1)["mtp"]
-    spec = Engine(_engine.cfg, {**_engine.params, "mtp": mtp}, _engine.tokenizer,
-                  max_len=_engine.max_len, chunk_sizes=_engine.chunk_sizes, sessions=6,
-                  fork_points=True, max_batch=4, speculative="mtp",
-                  speculative_max_batch=4)  # fmt: skip
-    plain = like(_engine, sessions=6, fork_points=True, max_batch=4)
-    return plain, spec
+    kw = dict(sessions=6, fork_points=True, max_batch=4)
+    return like(_engine, **kw), speculating(_engine, **kw)
 
 
 def together(engine: Engine, reqs: list[Any], **kw: Any) -> list[Any]:
@@ -134,12 +138,54 @@ def test_a_tool_loop_continues_live_after_a_speculative_turn(engines) -> None:
     assert engines[1].spec.counts.forced > 0  # the forced call went in as second tokens too
 
 
-def test_speculation_needs_the_block_and_dense_rows(_engine: Engine) -> None:
+def test_paged_rows_speculate_as_dense_ones_decode(engines) -> None:
+    """With `--paged`: each step grows a row's table by two tokens and cuts it back to
+    what it kept; the pages of a kept position's compressed rows are written, a rejected
+    one's never. Outputs and frontiers equal plain decoding's (dense), and so do the
+    paged frontiers' pages read back."""
+    plain, _ = engines
+    paged = speculating(plain, sessions=6, fork_points=True, max_batch=4, paged_pages=256)
+    want = together(plain, [prepared(plain, t, 40) for t in TEXTS])
+    got = together(paged, [prepared(paged, t, 40) for t in TEXTS])
+    assert paged.spec.counts.steps > 0
+    for w, g in zip(want, got, strict=True):
+        assert (g.raw_text, g.output_tokens, g.finish) == (w.raw_text, w.output_tokens, w.finish)
+        live = paged.pool.sessions[g.session].live
+        assert live.tokens == plain.pool.sessions[w.session].live.tokens
+        assert_pages_hold(paged, live)
+    # the next turn of each continues from its pages exactly as from a cold prefill
+    nxt = [{"messages": [{"role": "user", "content": t},
+                         {"role": "assistant", "content": g.raw_text},
+                         {"role": "user", "content": "And then?"}],
+            "thinking": {"type": "disabled"}} for t, g in zip(TEXTS, got, strict=True)]  # fmt: skip
+    second = together(paged, [paged.prepare_request(parse_messages_request(b), max_tokens=8,
+                                                    sampling=GREEDY) for b in nxt])  # fmt: skip
+    again = together(plain, [plain.prepare_request(parse_messages_request(b), max_tokens=8,
+                                                   sampling=GREEDY) for b in nxt])  # fmt: skip
+    assert [r.raw_text for r in second] == [r.raw_text for r in again]
+    # teacher-forced: every second token forced, so kept — two positions a step, the
+    # compressed rows completed at either written into the pages
+    text = " ".join(["one two three four five six seven eight nine ten"] * 3)
+    forced_before = paged.spec.counts.forced
+    (res,) = together(paged, [prepared(paged, "Count.", 60)],
+                      forced_tokens=forced(paged, text))  # fmt: skip
+    assert paged.spec.counts.forced - forced_before > 10
+    assert_pages_hold(paged, paged.pool.sessions[res.session].live)
+
+
+def assert_pages_hold(engine: Engine, live: Any) -> None:
+    """A paged frontier's state, read back from its pages, steps on as a cold prefill of
+    its tokens does: its compressed rows are the ones its tokens make."""
+    dense = engine.pages.dense(live.state)
+    assert np.abs(engine.logits_for(live.tokens) - np.asarray(dense.logits)).max() <= 1e-5
+    stepped = decode_step(engine.params, dense, 7, engine.cfg)
+    cold = engine.logits_for([*live.tokens, 7])
+    assert np.abs(cold - np.asarray(stepped.logits)).max() <= 1e-5
+
+
+def test_speculation_needs_the_block_and_one_device(_engine: Engine) -> None:
     with pytest.raises(ValueError, match="MTP block"):
         like(_engine, speculative="mtp")
     params = {**_engine.params, "mtp": init_params(_engine.cfg, 5, mtp_layers=1)["mtp"]}
-    with pytest.raises(ValueError, match="--paged"):
-        Engine(_engine.cfg, params, _engine.tokenizer, max_len=_engine.max_len,
-               paged_pages=64, speculative="mtp")  # fmt: skip
     with pytest.raises(ValueError, match="unknown speculative"):
         Engine(_engine.cfg, params, _engine.tokenizer, speculative="eagle")

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from ds4jax.model import batch as batch_ops
 from ds4jax.model.forward import decode_step, prefill
 from ds4jax.model.params import init_params
+from ds4jax.model.speculative import verify_rows
 from ds4jax.model.state import init_state
 from ds4jax.speculation import SAMPLE, Speculator
 from tests.model.conftest import small_config
@@ -112,8 +113,14 @@ def run(cfg, params, states, rows: list[Row], temperature: float = 0.0, drafts=N
                 if plan.draft:
                     d[r] = drafts(r, plan.at, int(d[r]))
             spec.drafts = jnp.asarray(d)
-        batch, keys, done = spec.step(params, batch, plans, {r: rows[r] for r in plans},
-                                      sampling, keys, rows[0].eos, B)  # fmt: skip
+
+        def verify(*args):
+            nonlocal batch
+            batch, out = verify_rows(params, batch, *args, cfg=cfg, size=B)
+            return out
+
+        keys, done = spec.step(params, verify, plans, {r: rows[r] for r in plans}, sampling,
+                               keys, rows[0].eos, B)  # fmt: skip
         for r in done:
             finals[r] = batch_ops.extract(batch, np.int32(r))
             active.discard(r)
