@@ -202,26 +202,31 @@ def prefill(
     chunk_sizes: Sequence[int] = CHUNK_SIZES,
     all_logits: bool = False,
     progress: Callable[[int, int], None] | None = None,
-) -> tuple[DecodeState, jax.Array]:
+    streams: bool = False,
+) -> tuple[DecodeState, jax.Array] | tuple[DecodeState, jax.Array, jax.Array]:
     """Evaluate `tokens` after `state`; returns (state, logits) with logits [N, vocab] when
-    `all_logits`, else the next-token logits. `progress(done, total)` after each chunk."""
+    `all_logits`, else the next-token logits. `progress(done, total)` after each chunk.
+    `streams`: the last layer's streams [N, hc, D] too (what the MTP block reads)."""
     toks = np.asarray(tokens, dtype=np.int32)
     if toks.size == 0:
         raise ValueError("prefill needs at least one token")
-    outs = []
+    outs, kept = [], []
     done = 0
     for size, valid in plan_chunks(len(toks), chunk_sizes):
         chunk = np.zeros(size, np.int32)
         chunk[:valid] = toks[done : done + valid]
-        state, logits = forward_chunk(
-            params, state, jnp.asarray(chunk), valid, cfg=cfg, all_logits=all_logits
-        )
+        out = forward_chunk(params, state, jnp.asarray(chunk), valid, cfg=cfg,
+                            all_logits=all_logits, streams=streams)  # fmt: skip
+        state = out[0]
         if all_logits:
-            outs.append(logits[:valid])
+            outs.append(out[1][:valid])
+        if streams:
+            kept.append(out[2][:valid])
         done += valid
         if progress is not None:
             progress(done, len(toks))
-    return state, (jnp.concatenate(outs) if all_logits else state.logits)
+    result = (state, jnp.concatenate(outs) if all_logits else state.logits)
+    return (*result, jnp.concatenate(kept)) if streams else result
 
 
 def decode_step(

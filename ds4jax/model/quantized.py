@@ -136,6 +136,14 @@ def to_device(w: QWeight) -> QWeight:
     return QWeight(jnp.asarray(w.q), jnp.asarray(w.exp), w.block)
 
 
+def split_size(sizes: Any, ax: Any) -> int:
+    """Devices a dimension is split over (`sizes`: the mesh's axis sizes): one mesh axis,
+    several together (experts over data × expert), or none (1)."""
+    if ax is None:
+        return 1
+    return int(np.prod([sizes[a] for a in (ax if isinstance(ax, tuple) else (ax,))]))
+
+
 def shardings_like(sharding: Any, w: QWeight) -> QWeight:
     """The sharding of a `QWeight` from its dense weight's `NamedSharding`: values split as
     the weight is; each exponent dim split along the same mesh axis when it divides (a
@@ -144,11 +152,8 @@ def shardings_like(sharding: Any, w: QWeight) -> QWeight:
 
     mesh, spec = sharding.mesh, tuple(sharding.spec) + (None,) * (w.q.ndim - len(sharding.spec))
 
-    def size(ax: Any) -> int:  # a mesh axis, or several together (experts over data × expert)
-        return int(np.prod([mesh.shape[a] for a in (ax if isinstance(ax, tuple) else (ax,))]))
-
     axes = [
-        ax if ax is not None and d % size(ax) == 0 else None
+        ax if ax is not None and d % split_size(mesh.shape, ax) == 0 else None
         for ax, d in zip(spec, w.exp.shape, strict=True)
     ]
     return QWeight(sharding, NamedSharding(mesh, PartitionSpec(*axes)), w.block)

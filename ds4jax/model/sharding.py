@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ds4jax.config import Config
 from ds4jax.model.params import Params, param_shapes, path_name
-from ds4jax.model.quantized import QWeight
+from ds4jax.model.quantized import QWeight, split_size
 
 EXPERT_AXIS = "expert"
 TENSOR_AXIS = "tensor"
@@ -124,13 +124,6 @@ def param_shardings(cfg: Config, mesh: Mesh, rules: ShardingRules | None = None)
     return jax.tree_util.tree_map_with_path(spec, param_shapes(cfg))
 
 
-def _split_size(sizes: dict[str, int], ax: Any) -> int:
-    """Devices a dimension is split over: one mesh axis, several together, or none (1)."""
-    if ax is None:
-        return 1
-    return int(np.prod([sizes[a] for a in (ax if isinstance(ax, tuple) else (ax,))]))
-
-
 def _expert_spec(name: str, w: Any, sizes: dict[str, int], ffn: bool = True) -> Any:
     """How the routed experts' weight `name` is split (`mesh_axes`, as `shard_params`
     places it; without `ffn`, not along the FFN width); for a `QWeight`, a dimension is
@@ -141,7 +134,7 @@ def _expert_spec(name: str, w: Any, sizes: dict[str, int], ffn: bool = True) -> 
         axes = mesh_axes(name, w.shape, sizes)
         return PartitionSpec(*(ax if k else None for ax, k in zip(axes, keep, strict=True)))
     q, exp = mesh_axes(name, w.q.shape, sizes), w.exp.shape
-    axes = [ax if k and e % _split_size(sizes, ax) == 0 else None
+    axes = [ax if k and e % split_size(sizes, ax) == 0 else None
             for ax, e, k in zip(q, exp, keep, strict=True)]  # fmt: skip
     return QWeight(PartitionSpec(*axes), PartitionSpec(*axes), w.block)
 
@@ -175,7 +168,7 @@ def expert_parallel(routed: Callable[..., jax.Array], experts: dict[str, Any], x
     if not split:
         return routed(E, experts, x, sel, w)
     by = jax.tree.leaves(specs["w1"], is_leaf=is_spec)[0][0]
-    local = E // _split_size(sizes, by)
+    local = E // split_size(sizes, by)
 
     def shard(ex: dict[str, Any], x: jax.Array, sel: jax.Array, w: jax.Array) -> jax.Array:
         if by is not None:

@@ -37,7 +37,14 @@ import numpy as np
 from ds4jax.config import Config
 from ds4jax.model import page_io
 from ds4jax.model.batch import forward_rows_chunks, put_rows, row_attention
-from ds4jax.model.forward import CHUNK_SIZES, forward_chunk, mtp_chunk, mtp_forward, plan_chunks
+from ds4jax.model.forward import (
+    CHUNK_SIZES,
+    forward_chunk,
+    mtp_chunk,
+    mtp_forward,
+    plan_chunks,
+    prefill,
+)
 from ds4jax.model.params import Params
 from ds4jax.model.state import DecodeState, init_state, rewind
 from ds4jax.sampling import argmax, prob_rows, sample_rows
@@ -108,15 +115,8 @@ def generate_greedy(
     (tests): `propose(position, mtp_draft)` replaces a draft, to force accepts and
     rejections where wanted."""
     toks = np.asarray(prompt, np.int32)
-    state = init_state(cfg, max_len)
-    streams = []
-    for size, valid in plan_chunks(len(toks), chunk_sizes):
-        done = sum(len(x) for x in streams)
-        chunk = np.zeros(size, np.int32)
-        chunk[:valid] = toks[done : done + valid]
-        state, _, X = forward_chunk(params, state, chunk, valid, cfg=cfg, streams=True)
-        streams.append(X[:valid])
-    H = jnp.concatenate(streams)
+    state, _, H = prefill(params, init_state(cfg, max_len), toks, cfg, chunk_sizes=chunk_sizes,
+                          streams=True)  # fmt: skip
     token = int(jnp.argmax(state.logits))
     after = np.append(toks[1:], token).astype(np.int32)  # the token after each position
     mtp = init_state(cfg.mtp_block(), max_len).layers[0]

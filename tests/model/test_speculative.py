@@ -68,3 +68,9 @@ def test_speculative_greedy_equals_plain_greedy(model, drafts: str) -> None:
         assert all(boundary(p) or boundary(p + 1) for p in wrong)
         assert {p % 8 for p in wrong if boundary(p)} >= {3, 7}  # rejected on both kinds
         assert 0 < run.accepted < run.steps
+
+
+def test_an_empty_prompt_is_a_clear_error(model) -> None:
+    cfg, params, _, _ = model
+    with pytest.raises(ValueError, match="at least one token"):
+        generate_greedy(params, cfg, [], 4, 128, chunk_sizes=CHUNKS)
