@@ -95,7 +95,21 @@ def save_params(params: Params, cfg: Config, directory: str | Path, *, force: bo
             directory,
             ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)),
         )
+    _forget_paths(directory)
     return directory
+
+
+#: what Orbax's commit markers say once `_forget_paths` has rewritten them
+COMMIT_MARK = "Checkpoint commit was successful"
+
+
+def _forget_paths(directory: Path) -> None:
+    """Orbax's commit markers (`commit_success.txt`, read for existence only) name the
+    absolute path they were written at — a temporary one when the checkpoint is written
+    beside its target and renamed. A shipped checkpoint (the demo's, in the repository)
+    would carry the writer's machine paths; the markers keep their meaning without them."""
+    for mark in directory.rglob("commit_success.txt"):
+        mark.write_text(COMMIT_MARK, encoding="utf-8")
 
 
 def read_metadata(directory: str | Path) -> dict[str, Any]:

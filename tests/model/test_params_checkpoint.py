@@ -26,6 +26,7 @@ from safetensors.numpy import save_file
 from ds4jax.config import Config
 from ds4jax.model import names
 from ds4jax.model.checkpoint import (
+    COMMIT_MARK,
     convert,
     detect_layout,
     is_params_checkpoint,
@@ -81,6 +82,19 @@ def test_save_restore_round_trip(saved: Path, params: Params, cfg: Config) -> No
     assert got_cfg == cfg
     assert_same(got, params)
     assert all(x.sharding.device_set == {jax.devices()[0]} for x in jax.tree.leaves(got))
+
+
+def test_a_saved_checkpoint_names_no_machine_path(saved: Path) -> None:
+    """Orbax's commit markers are rewritten without the absolute path they were written at
+    (the demo checkpoint ships in the repository), and the checkpoint still restores."""
+    marks = list(saved.rglob("commit_success.txt"))
+    assert marks
+    for mark in marks:
+        assert mark.read_text(encoding="utf-8") == COMMIT_MARK
+    for mark in (Path(__file__).resolve().parents[2] / "configs" / "demo").rglob(
+        "commit_success.txt"
+    ):
+        assert mark.read_text(encoding="utf-8") == COMMIT_MARK
 
 
 def test_restore_casts_floats_but_not_tid2eid(saved: Path, params: Params) -> None:
