@@ -7,12 +7,16 @@ spent thinking budget, teacher forcing) or that the row samples, or that it is f
 evaluated — or sampled EOS, which is never evaluated — feeds the streaming DSML parser and
 the stop sequences, and may finish the row. `finish` turns the row's final state into its
 session's live frontier and bindings and returns the `Result`.
+
+A row that asked for log-probabilities (`SamplingParams.logprobs`) is handed each token's
+`TokenLogprob` with it; `accept` emits it before any event the token produces and keeps it
+for `Result.logprobs`, one entry per token `Result.output_tokens` counts.
 """
 
 from __future__ import annotations
 
 import codecs
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +35,7 @@ from ds4jax.continuation.tool_memory import id_stream, new_tool_id
 from ds4jax.continuation.types import CacheSource, LiveFrontier, ThinkingBinding, ToolBinding
 
 if TYPE_CHECKING:
+    from ds4jax.chat.tokenizer import Tokenizer
     from ds4jax.engine import Engine, Prepared
 
 SAMPLE = -1  # `plan`: no forced token, the row samples
@@ -44,6 +49,34 @@ class ToolCallStarted:
     index: int
     id: str
     name: str
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log-probability and its position's most likely alternatives,
+    under the model's raw distribution (`SamplingParams.logprobs`). `text` is the token
+    decoded alone (a partial UTF-8 character comes out as U+FFFD), `bytes` its real bytes
+    (OpenAI's `bytes`: a byte-level piece's, whole or partial). `top`: (token id, text,
+    bytes, logprob) of the k most likely tokens, most likely first (ties: the lower id).
+    Lists, as the wire has them: an entry compares by value but is not hashable."""
+
+    token: int
+    text: str
+    bytes: list[int]
+    logprob: float
+    top: tuple[tuple[int, str, list[int], float], ...] = ()
+
+
+def token_logprob(tokenizer: Tokenizer, token: int, logprob: float, top_ids: Sequence[int],
+                  top_logprobs: Sequence[float]) -> TokenLogprob:  # fmt: skip
+    """A `TokenLogprob` from a step's numbers (`model.batch.Logprobs`, sliced to k)."""
+
+    def piece(t: int) -> tuple[str, list[int]]:
+        return tokenizer.decode([t]), list(tokenizer.token_bytes(t))
+
+    top = tuple((int(t), *piece(int(t)), float(lp)) for t, lp in zip(top_ids, top_logprobs,
+                                                                       strict=True))  # fmt: skip
+    return TokenLogprob(int(token), *piece(int(token)), float(logprob), top)
 
 
 @dataclass
@@ -61,6 +94,9 @@ class Result:
     session: int = 0  # the slot that served it
     forked_from: int | None = None  # the slot whose fork point it continued
     restored: str | None = None  # the tier its base state came back from ("host")
+    #: with `SamplingParams.logprobs`: one entry per token `output_tokens` counts, in order
+    #: (a sampled EOS included), else None
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -80,7 +116,7 @@ class RowDecoder:
         session: Any,
         tokens: list[int],
         segments: tuple[Segment, ...],
-        emit: Callable[[Event | ToolCallStarted], None],
+        emit: Callable[[Event | ToolCallStarted | TokenLogprob], None],
         cancel: Any,
         forced: list[int] | None,
     ) -> None:
@@ -104,6 +140,11 @@ class RowDecoder:
         self.pending_force = prepared.force_after_think
         self.closed_single = False
         self._id_hex = id_stream(prepared.nonce)
+        #: a sampled EOS (counted in `output_tokens`, never evaluated)
+        self.sampled_eos = False
+        self.logprobs: list[TokenLogprob] | None = (
+            None if prepared.sampling.logprobs is None else []
+        )
 
     @property
     def done(self) -> bool:
@@ -151,10 +192,20 @@ class RowDecoder:
             return int(self.forced[self.forced_at - 1])
         return SAMPLE
 
-    def accept(self, t: int) -> None:
-        """After a step: the token this row evaluated (or sampled EOS, not evaluated)."""
+    def accept(self, t: int, logprob: TokenLogprob | None = None) -> None:
+        """After a step: the token this row evaluated (or sampled EOS, not evaluated), with
+        its `logprob` when the row asked for them (emitted before its events)."""
         p, tok = self.prepared, self.engine.tokenizer
-        if t == tok.eos_id:
+        eos = t == tok.eos_id
+        counted = not eos or self.forced is None  # a teacher-forced EOS is no output token
+        if self.logprobs is not None and counted:
+            if logprob is None or logprob.token != t:
+                raise RuntimeError(f"token {t} of a row that reports logprobs came without "
+                                   "its own (a step that does not compute them)")  # fmt: skip
+            self.logprobs.append(logprob)
+            self.emit(logprob)
+        if eos:
+            self.sampled_eos = counted
             self.finish_reason = "end_turn"  # never evaluated: the next turn's suffix has it
             return
         self.generated.append(t)
@@ -233,17 +284,17 @@ class RowDecoder:
                 session.bindings.thinking = ThinkingBinding(
                     visible_transcript(p.view.segments, shown, keep_think=p.has_tools), live.pos
                 )
-        sampled_eos = finish == "end_turn" and self.forced is None
         return Result(
             source=CacheSource.COLD,
             cached=0,
             prefilled=0,
-            output_tokens=len(self.generated) + (1 if sampled_eos else 0),
+            output_tokens=len(self.generated) + (1 if self.sampled_eos else 0),
             finish=finish,
             message=message,
             tool_ids=self.tool_ids if message.tool_calls else [],
             stop_sequence=self.stop_hit,
             raw_text=raw,
+            logprobs=self.logprobs,
         )
 
 

@@ -72,7 +72,7 @@ from ds4jax.continuation.types import (
     RequestView,
     source_label,
 )
-from ds4jax.decoding import Result, RowDecoder, ToolCallStarted
+from ds4jax.decoding import Result, RowDecoder, TokenLogprob, ToolCallStarted, token_logprob
 from ds4jax.interleave import TickCosts, chunk_limit
 from ds4jax.kvstore.background import BackgroundSaves
 from ds4jax.kvstore.host import HostState, to_host
@@ -94,6 +94,7 @@ from ds4jax.model.state import (
     span_for,
     spans,
 )
+from ds4jax.sampling import MAX_LOGPROBS
 from ds4jax.speculation import Speculator, default_max_batch
 
 log = logging.getLogger("ds4jax.engine")
@@ -125,11 +126,22 @@ class EngineError(RuntimeError):
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How a row picks its tokens (`sampling.sample_rows`), and what it reports of them.
+
+    `logprobs`: None (off) or k in 0..`sampling.MAX_LOGPROBS`: every output token comes
+    with its log-probability and the k most likely tokens at its position (a
+    `decoding.TokenLogprob`, emitted and kept in `Result.logprobs`), forced tokens too.
+    They are the model's raw distribution — log_softmax of the logits before temperature,
+    top-k, top-p and min-p (vLLM's default) — so a greedy row's token is its top-1 and a
+    sampled row's may be any of them. A step computes them only when one of its rows asks
+    (`model.batch.step`'s `logprobs`), and steps such a row plain, never speculatively."""
+
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    logprobs: int | None = None
 
 
 @dataclass
@@ -169,7 +181,7 @@ class Ticket:
     """One request in the scheduler: what it was given, then its progress."""
 
     prepared: Prepared
-    emit: Callable[[Event | ToolCallStarted], None]
+    emit: Callable[[Event | ToolCallStarted | TokenLogprob], None]
     progress: Callable[[int, int], None] | None
     cancel: threading.Event | None
     on_decision: Callable[[Decision, int], None] | None
@@ -371,8 +383,11 @@ class Engine:
         api: str = "anthropic",
     ) -> Prepared:
         """Validation and rendering, before queueing. Raises EngineError(400) for a
-        tool_result that is neither live nor backed by a replayed tool_use, or a prompt that
-        does not fit the context."""
+        tool_result that is neither live nor backed by a replayed tool_use, a prompt that
+        does not fit the context, or more log-probabilities than a step computes."""
+        k = sampling.logprobs if sampling is not None else None
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise EngineError(400, f"logprobs must be between 0 and {MAX_LOGPROBS}, got {k}")
         try:
             requires_live = validate_tool_results(conversation, self.live_tool_ids(), api)
         except ValueError as err:
@@ -467,7 +482,7 @@ class Engine:
         self,
         prepared: Prepared,
         *,
-        on_event: Callable[[Event | ToolCallStarted], None] | None = None,
+        on_event: Callable[[Event | ToolCallStarted | TokenLogprob], None] | None = None,
         progress: Callable[[int, int], None] | None = None,
         cancel: threading.Event | None = None,
         on_decision: Callable[[Decision, int], None] | None = None,
@@ -870,7 +885,8 @@ class Engine:
         for what did not run."""
         size = self._step_size()
         spec = self.spec
-        if spec is not None and filling is None and 0 < self.rows_active <= self.spec_max_batch:
+        if (spec is not None and filling is None and 0 < self.rows_active <= self.spec_max_batch
+                and not self._logprob_rows()):  # fmt: skip
             return self._speculative_step(size)
         override = np.full(size, -1, np.int32)
         sampling = self._sampling_arrays(size)
@@ -905,17 +921,27 @@ class Engine:
             padded[: nxt[0] - done] = filling.tokens[done : nxt[0]]
             chunk = (filling.state, padded, np.int32(nxt[0] - done))
             self.mixed_prompt_tokens += nxt[0] - done
-        self._batch, tokens, keys, prompt = self._step(
+        scored = self._logprob_rows(stepping)
+        self._batch, tokens, keys, prompt, scores = self._step(
             self._batch, grid, override, self._keys[:size], *sampling, chunk=chunk,
+            logprobs=bool(scored),
         )  # fmt: skip
         tokens, keys = fetch(tokens), fetch(keys)
+        if scores is not None:
+            scores = tuple(fetch(x) for x in scores)
         for row in stepping:
             self._keys[row] = keys[row]
             ticket = self._rows[row]
             if spec is not None:
                 spec.stepped_plain(row)
             if row not in pending:  # a pending token is its decoder's already
-                ticket.decoder.accept(int(tokens[row]))
+                t = int(tokens[row])
+                entry = None
+                if row in scored:
+                    chosen, top, ids = (x[row] for x in scores)
+                    k = scored[row]
+                    entry = token_logprob(self.tokenizer, t, chosen, ids[:k], top[:k])
+                ticket.decoder.accept(t, entry)
             if ticket.on_token is not None:
                 ticket.on_token()
             if ticket.decoder.done:
@@ -977,6 +1003,15 @@ class Engine:
             self._finish_row(row)
         return size, 0
 
+    def _logprob_rows(self, rows: Sequence[int] | None = None) -> dict[int, int]:
+        """The active rows (of `rows`) that report log-probabilities → their k."""
+        out = {}
+        for row in range(self.max_batch) if rows is None else rows:
+            ticket = self._rows[row]
+            if ticket is not None and ticket.prepared.sampling.logprobs is not None:
+                out[row] = ticket.prepared.sampling.logprobs
+        return out
+
     def _sampling_arrays(self, size: int) -> tuple[np.ndarray, ...]:
         """A step's per-row (temperature, top_k, top_p, min_p), each off."""
         return (np.zeros(size, np.float32), np.zeros(size, np.int32), np.ones(size, np.float32),
@@ -999,23 +1034,29 @@ class Engine:
             self._resize_batch(need)
 
     def _step(self, batch: Any, grid: np.ndarray | None, override: np.ndarray,
-              *sampling: np.ndarray, chunk: Any = None) -> tuple[Any, Any, Any, Any]:  # fmt: skip
+              *sampling: np.ndarray, chunk: Any = None, logprobs: bool = False,
+              ) -> tuple[Any, Any, Any, Any, Any]:  # fmt: skip
         """One batched step of `len(override)` rows: dense rows, or (`grid`: their page
         tables) rows reading and writing the page pool; `chunk` (`model.batch.Chunk`) rides
-        along. Returns (batch, tokens, keys, the chunk's prompt state or None)."""
+        along. Returns (batch, tokens, keys, the chunk's prompt state or None, with
+        `logprobs` the step's `model.batch.Logprobs` else None)."""
         size = len(override)
         args = (override, *sampling, np.int32(self.tokenizer.eos_id))
         if self.pages is None:
             with self._on_mesh():
-                out = batch_ops.step(self.params, batch, *args, chunk, cfg=self.cfg, size=size)
-            return out if chunk is not None else (*out, None)
-        with self._on_mesh():
-            out = batch_ops.paged_step(
-                self.params, batch, self.pages.arrays, grid, *args, chunk, cfg=self.cfg,
-                size=size, span=self._batch_span, shards=self.shards,
-            )  # fmt: skip
-        batch, self.pages.arrays, tokens, keys = out[:4]
-        return batch, tokens, keys, out[4] if chunk is not None else None
+                out = batch_ops.step(self.params, batch, *args, chunk, cfg=self.cfg, size=size,
+                                     logprobs=logprobs)  # fmt: skip
+        else:
+            with self._on_mesh():
+                out = batch_ops.paged_step(
+                    self.params, batch, self.pages.arrays, grid, *args, chunk, cfg=self.cfg,
+                    size=size, span=self._batch_span, shards=self.shards, logprobs=logprobs,
+                )  # fmt: skip
+            self.pages.arrays = out[1]
+            out = (out[0], *out[2:])
+        batch, tokens, keys, rest = out[0], out[1], out[2], list(out[3:])
+        prompt = rest.pop(0) if chunk is not None else None
+        return batch, tokens, keys, prompt, rest.pop(0) if logprobs else None
 
     def _on_mesh(self) -> Any:
         """The context the model's programs run in: the engine's mesh set, so the routed
@@ -1281,11 +1322,13 @@ class Engine:
 
     # ------------------------------------------------------------------ introspection
 
-    def warm_up(self) -> None:
+    def warm_up(self, logprobs: bool = False) -> None:
         """Compile every prefill chunk size and the batched step at every size up to
         `max_batch` (before serving), on throwaway states: no session is touched. With
         `stall_bound`, each size's mixed step with the smallest chunk too (other chunk sizes
-        and spans compile on first use, then come from the persistent cache)."""
+        and spans compile on first use, then come from the persistent cache). `logprobs`:
+        each of those steps' variant that reports log-probabilities too (else the first
+        request asking for them compiles it)."""
         for size in self.chunk_sizes:
             state = self._prefill(self._empty, [self.tokenizer.bos_id] * size, (size,))
             state.logits.block_until_ready()
@@ -1306,13 +1349,15 @@ class Engine:
                 if size > self.max_batch:
                     break
                 grid = np.zeros((size, pages_for(self._batch_span)), np.int32)
-                for chunk in chunks[: 2 if self.stall_bound else 1]:
+                variants = [(c, lp) for c in chunks[: 2 if self.stall_bound else 1]
+                            for lp in ((False, True) if logprobs else (False,))]  # fmt: skip
+                for chunk, lp in variants:
                     for _ in range(2):  # the second call sees the step's own outputs
-                        scratch, _, _, _ = self._step(
+                        scratch, *_ = self._step(
                             scratch, grid, np.full(size, -1, np.int32),
                             np.zeros((size, 2), np.uint32), np.zeros(size, np.float32),
                             np.zeros(size, np.int32), np.ones(size, np.float32),
-                            np.zeros(size, np.float32), chunk=chunk,
+                            np.zeros(size, np.float32), chunk=chunk, logprobs=lp,
                         )  # fmt: skip
             jax.block_until_ready(batch_ops.extract(scratch, np.int32(0)))
         if self.pages is not None:  # the page programs: write, copy (a shared tail), read

@@ -209,3 +209,22 @@ def prob_rows(
         return jnp.where(greedy, hit, p)
 
     return jax.lax.cond(jnp.all(greedy), lambda: hit, drawn)
+
+
+# ------------------------------------------------------------------ log-probabilities
+
+#: the most alternatives a request may ask for (OpenAI's `top_logprobs` ≤ 20); a step that
+#: reports log-probabilities always computes this many, and the host slices each row's k
+MAX_LOGPROBS = 20
+
+
+def logprob_rows(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-probabilities under the raw distribution (log_softmax of `logits` [B, V], before
+    temperature and every filter — vLLM's default): (each row's `tokens[row]` [B], the top
+    `MAX_LOGPROBS` [B, K] most likely first, their ids [B, K] int32). Ranked on the logits,
+    less the row's logsumexp: the vocabulary's log_softmax is never materialized."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    top, ids = jax.lax.top_k(logits, min(MAX_LOGPROBS, logits.shape[-1]))
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return chosen - lse, top - lse[:, None], ids.astype(jnp.int32)

@@ -16,6 +16,11 @@ sampled and never evaluated (the next turn's suffix starts with it), so such a r
 its state. Rows are independent, so each row's logits equal the
 same session decoded alone, to float rounding: attention runs per row (`vmap`), while the
 projections outside it and the MoE see the B tokens together (`forward_rows`).
+
+`logprobs=True` (static: a second program per size, compiled only if a request asks) adds
+each row's log-probabilities of the token it took and of its top `sampling.MAX_LOGPROBS`
+(`Logprobs`, `sampling.logprob_rows`), from the same logits it sampled from; without it
+the step is the program it always was.
 """
 
 from __future__ import annotations
@@ -32,9 +37,13 @@ from ds4jax.model.forward import logits_of, run_layers
 from ds4jax.model.layers import attention
 from ds4jax.model.params import Params
 from ds4jax.model.state import DecodeState, init_state
-from ds4jax.sampling import sample_rows
+from ds4jax.sampling import logprob_rows, sample_rows
 
 BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8)
+
+#: a `logprobs` step's last output: (the log-probability of each row's token [size], the
+#: top `MAX_LOGPROBS` log-probabilities [size, K], their token ids [size, K])
+Logprobs = tuple[jax.Array, jax.Array, jax.Array]
 
 
 def bucket(n: int, sizes: tuple[int, ...] = BATCH_SIZES) -> int:
@@ -159,26 +168,28 @@ def forward_rows(params: Params, rows: DecodeState, tokens: jax.Array, cfg: Conf
 def _advance(
     params: Params, rows: DecodeState, override: jax.Array, key_data: jax.Array,
     temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
-    eos_id: jax.Array, cfg: Config, chunk: Chunk | None = None,
-) -> tuple[DecodeState, jax.Array, jax.Array, DecodeState | None]:  # fmt: skip
+    eos_id: jax.Array, cfg: Config, chunk: Chunk | None = None, logprobs: bool = False,
+) -> tuple[DecodeState, jax.Array, jax.Array, DecodeState | None, Logprobs | None]:  # fmt: skip
     """The step itself, on dense rows, whatever holds them (a dense batch, or pages read
     through the rows' tables): sample or force, evaluate (with `chunk` riding along);
-    rows that sampled EOS are left as they were."""
+    rows that sampled EOS are left as they were. `logprobs`: the `Logprobs` of the tokens
+    taken (forced ones too: the model's distribution where they went), else None."""
     split = jax.vmap(jax.random.split)(jax.random.wrap_key_data(key_data))
     keys, sub = split[:, 0], split[:, 1]
     sampled = sample_rows(rows.logits, sub, temperature, top_k, top_p, min_p)
     tokens = jnp.where(override >= 0, override, sampled).astype(jnp.int32)
+    scores = logprob_rows(rows.logits, tokens) if logprobs else None
 
     # a sampled EOS is not evaluated: that row writes nothing and keeps its logits
     new, prompt = forward_rows(params, rows, tokens, cfg, chunk, valid=tokens != eos_id)
-    return new, tokens, jax.random.key_data(keys), prompt
+    return new, tokens, jax.random.key_data(keys), prompt, scores
 
 
 def put_rows(batch: DecodeState, new: DecodeState) -> DecodeState:
     return jax.tree.map(lambda b, n: jax.lax.dynamic_update_slice_in_dim(b, n, 0, 0), batch, new)
 
 
-@partial(jax.jit, static_argnames=("cfg", "size"), donate_argnums=1)
+@partial(jax.jit, static_argnames=("cfg", "size", "logprobs"), donate_argnums=1)
 def step(
     params: Params,
     batch: DecodeState,
@@ -193,19 +204,21 @@ def step(
     *,
     cfg: Config,
     size: int,
-) -> tuple[DecodeState, jax.Array, jax.Array] | tuple[DecodeState, jax.Array, jax.Array,
-                                                         DecodeState]:  # fmt: skip
+    logprobs: bool = False,
+) -> tuple[Any, ...]:
     """Advance rows [0, size) by one token; returns (batch, tokens [size], next key data),
     and with `chunk` (a mixed step) the prompt's state after it too; the prompt's state is
-    not donated (a retained frontier may be what it continues). Pass the per-row arguments
-    as host (numpy) arrays: the same program then serves every call, whatever produced
-    them."""
+    not donated (a retained frontier may be what it continues); with `logprobs`, the
+    `Logprobs` last. Pass the per-row arguments as host (numpy) arrays: the same program
+    then serves every call, whatever produced them."""
     rows = jax.tree.map(lambda x: x[:size], batch)
-    new, tokens, keys, prompt = _advance(params, rows, override, key_data, temperature, top_k,
-                                         top_p, min_p, eos_id, cfg, chunk)  # fmt: skip
-    if chunk is None:
-        return put_rows(batch, new), tokens, keys
-    return put_rows(batch, new), tokens, keys, prompt
+    new, tokens, keys, prompt, scores = _advance(
+        params, rows, override, key_data, temperature, top_k, top_p, min_p, eos_id, cfg,
+        chunk, logprobs,
+    )  # fmt: skip
+    out = (put_rows(batch, new), tokens, keys)
+    out = out if chunk is None else (*out, prompt)
+    return out if scores is None else (*out, scores)
 
 
 def by_shard(f: Any, shards: int, pool_pages: int, tables: jax.Array, *trees: Any) -> Any:
@@ -233,7 +246,10 @@ def pool_pages(arrays: page_io.Arrays) -> int:
     return next(a.shape[0] for a in jax.tree.leaves(arrays))
 
 
-@partial(jax.jit, static_argnames=("cfg", "size", "span", "shards"), donate_argnums=(1, 2))
+_PAGED_STATIC = ("cfg", "size", "span", "shards", "logprobs")
+
+
+@partial(jax.jit, static_argnames=_PAGED_STATIC, donate_argnums=(1, 2))
 def paged_step(
     params: Params,
     batch: DecodeState,  # the rows' small parts (`page_io.small_part`)
@@ -252,8 +268,8 @@ def paged_step(
     size: int,
     span: int,
     shards: int = 1,
-) -> tuple[DecodeState, page_io.Arrays, jax.Array, jax.Array] | tuple[
-        DecodeState, page_io.Arrays, jax.Array, jax.Array, DecodeState]:  # fmt: skip
+    logprobs: bool = False,
+) -> tuple[Any, ...]:
     """`step` for rows whose long part lives in the page pool (issue 26, "batch rows hold
     no copies"): each row's compressed and indexer rows are read through its table inside
     the step, at the capacity of `span` (the batch's), and the row a step completes is
@@ -262,7 +278,8 @@ def paged_step(
     only. The arithmetic is `step`'s on the same dense values (a state's rows are stored
     in its dtype as they are made, so pages give them back exactly): a paged row's tokens
     and state equal a dense row's bit for bit. Returns (small parts, pool, tokens, keys),
-    and with `chunk` the prompt's state after it (as `step`).
+    and with `chunk` the prompt's state after it, with `logprobs` the `Logprobs` (as
+    `step`).
 
     `shards` > 1 (issue 28): the pool and the rows are split into that many data shards
     (`by_shard`), each row's pages in its own shard's block; every shard reads and writes
@@ -272,9 +289,12 @@ def paged_step(
     P = pool_pages(arrays)
     rows = by_shard(lambda t, sm, ar: page_io.with_pages(sm, ar, t, cfg, span), shards, P,
                     tables, small, arrays)  # fmt: skip
-    new, tokens, keys, prompt = _advance(params, rows, override, key_data, temperature, top_k,
-                                         top_p, min_p, eos_id, cfg, chunk)  # fmt: skip
+    new, tokens, keys, prompt, scores = _advance(
+        params, rows, override, key_data, temperature, top_k, top_p, min_p, eos_id, cfg,
+        chunk, logprobs,
+    )  # fmt: skip
     put = lambda t, ar, nw, n: page_io.put_new_rows(ar, nw, n, t, cfg, cfg.state_dtype)  # noqa: E731
     arrays = by_shard(put, shards, P, tables, arrays, new, small.pos)
     out = (put_rows(batch, page_io.small_part(new)), arrays, tokens, keys)
-    return out if chunk is None else (*out, prompt)
+    out = out if chunk is None else (*out, prompt)
+    return out if scores is None else (*out, scores)
