@@ -23,14 +23,15 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Quart, Response, g, request
 
-from ds4jax.chat.anthropic import MessagesRequest, RequestError, parse_messages_request
+from ds4jax.chat.anthropic import MessagesRequest, parse_messages_request
 from ds4jax.chat.chat_completions import parse_chat_request
+from ds4jax.chat.errors import RequestError, field_error
 from ds4jax.chat.render import render
 from ds4jax.chat.responses import parse_responses_request
 from ds4jax.continuation.evidence import attach_tool_memory
 from ds4jax.continuation.reasoning_seal import ReasoningSeal
 from ds4jax.engine import EngineError, SamplingParams
-from serve import chat_wire, protocol, responses_wire
+from serve import chat_wire, openapi, protocol, responses_wire
 from serve.metrics import ServerMetrics
 from serve.worker import EngineWorker, Job, Overloaded
 
@@ -55,19 +56,24 @@ class ServerConfig:
 
 
 OPENAI_PATHS = ("/v1/responses", "/v1/chat/completions")
+#: answered without the API key: nothing in them is private
+PUBLIC_PATHS = ("/health", "/openapi.json", "/docs")
 
 
 #: seconds a client is told to wait before retrying an overloaded answer (`retry-after`)
 RETRY_AFTER_S = 2
 
 
-def _err(status: int, message: str, error_type: str | None = None) -> Response:
+def _err(
+    status: int, message: str, error_type: str | None = None, param: str | None = None
+) -> Response:
     """An error in the shape of the protocol the request spoke (by its path). Overloaded
-    (529, Anthropic's own status; 503 in OpenAI's shape) carries `retry-after`."""
+    (529, Anthropic's own status; 503 in OpenAI's shape) carries `retry-after`; OpenAI's
+    `param` is the JSON path of the field at fault."""
     kind = error_type or protocol.ERROR_TYPES.get(status, "api_error")
     if request.path in OPENAI_PATHS:
         status = 503 if status == 529 else status
-        body: dict[str, Any] = {"error": {"message": message, "type": kind, "param": None,
+        body: dict[str, Any] = {"error": {"message": message, "type": kind, "param": param,
                                           "code": None}}  # fmt: skip
     else:
         body = protocol.error_body(kind, message)
@@ -94,7 +100,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
         g.arrived = time.perf_counter()  # a request's latencies count from here
         if request.method == "OPTIONS":
             return Response("", status=204)
-        if config.api_key is None or request.path == "/health":
+        if config.api_key is None or request.path in PUBLIC_PATHS:
             return None
         key = request.headers.get("x-api-key")
         bearer = request.headers.get("authorization", "")
@@ -158,6 +164,14 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
         return Response(json.dumps(body), status=200 if config.state == "ready" else 503,
                         content_type="application/json")  # fmt: skip
 
+    @app.get("/openapi.json")
+    async def openapi_document() -> Response:
+        return Response(json.dumps(openapi.document()), content_type="application/json")
+
+    @app.get("/docs")
+    async def openapi_page() -> Response:
+        return Response(openapi.page(), content_type="text/html; charset=utf-8")
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), content_type=CONTENT_TYPE_LATEST)
@@ -187,41 +201,36 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
         try:
             req = parse_messages_request(await read_json(), max_context=engine.max_len)
         except RequestError as err:
-            return _err(err.status, err.message, err.error_type)
+            return _client_error(err)
         attach_tool_memory(req.conversation, engine.tool_memory.block_for)
         n = len(engine.tokenizer.encode_segments(render(req.conversation)))
         return Response(json.dumps({"input_tokens": n}), content_type="application/json")
 
-    def _submit(
-        body: Any, req: MessagesRequest, api: str, hint: str | None, seed: Any = None
-    ) -> Job | Response:
-        """Validate the generation settings, prepare (the decision's evidence, the 400s) and
-        queue a converted request: its job, or the error response."""
+    def _submit(body: Any, req: MessagesRequest, api: str, hint: str | None) -> Job | Response:
+        """Prepare (the decision's evidence, the 400s it finds) and queue a validated,
+        converted request: its job, or the error response."""
         try:
-            if req.max_tokens is not None and req.max_tokens < 1:
-                raise RequestError("max_tokens: must be >= 1")
             # Claude Code always asks for 32000: anything up to the model's position limit
             # is clamped to the room left in the context (decoding stops there); beyond it
             # the value is nonsense. OpenAI bodies may leave it out: the room left.
             limit = engine.cfg.max_position_embeddings
             if req.max_tokens is not None and req.max_tokens > limit:
-                raise RequestError(f"max_tokens: {req.max_tokens} exceeds the model's maximum "
-                                   f"({limit})")  # fmt: skip
-            if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-                raise RequestError("seed: must be an integer")
+                raise field_error(req.max_tokens_field, f"{req.max_tokens} exceeds the "
+                                  f"model's maximum ({limit})")  # fmt: skip
             sampling = SamplingParams(
                 temperature=1.0 if req.temperature is None else float(req.temperature),
                 top_k=req.top_k or 0,
                 top_p=1.0 if req.top_p is None else float(req.top_p),
                 min_p=config.min_p,
-                seed=None if seed is None else seed % (2**31),
+                seed=None if req.seed is None else req.seed % (2**31),
+                logprobs=req.logprobs,
             )
             prepared = engine.prepare_request(
                 req, sampling=sampling, hint=hint, api=api,
                 max_tokens=engine.max_len if req.max_tokens is None else None,
             )  # fmt: skip
         except (RequestError, EngineError) as err:
-            return _err(err.status, err.message, err.error_type)
+            return _client_error(err)
         job = Job(prepared, asyncio.get_running_loop(), arrived=g.arrived)
         job.forced_tokens = app.config.get("TEST_FORCED_TOKENS_HOOK", lambda _b: None)(body)
         try:
@@ -239,7 +248,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
             body = await read_json()
             return body, parse(body)
         except RequestError as err:
-            return _err(err.status, err.message, err.error_type)
+            return _client_error(err)
 
     @app.post("/v1/messages")
     async def messages() -> Response:
@@ -284,7 +293,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
             return parsed
         body, creq = parsed
         hint = request.headers.get("session-id") or request.headers.get("x-session-id")
-        job = _submit(body, creq.request, "chat", hint or None, seed=body.get("seed"))
+        job = _submit(body, creq.request, "chat", hint or None)
         if isinstance(job, Response):
             return job
         cid, model_name = chat_wire.new_completion_id(), creq.request.model
@@ -450,6 +459,10 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
     app.metrics = metrics  # type: ignore[attr-defined]  # held here: the worker's is weak
     app.server_config = config  # type: ignore[attr-defined]
     return app
+
+
+def _client_error(err: RequestError | EngineError) -> Response:
+    return _err(err.status, err.message, err.error_type, getattr(err, "param", None))
 
 
 def _status(err: Exception) -> int:

@@ -2,6 +2,12 @@
 `chat.completion.chunk` stream (a role chunk, `reasoning_content` / `content` deltas,
 `tool_calls` deltas — header, then argument fragments — a finish chunk, an optional usage
 chunk, `data: [DONE]`). Pure functions of engine results and events.
+
+`logprobs` (asked with `logprobs: true`, `top_logprobs: k ≤ 20`): one entry for every token
+the model produced in the turn — its reasoning and tool-call tokens included, since the
+engine samples them all from the same distribution — with the log-probability of the
+model's raw distribution (before temperature and filters). A stream carries each token's
+entry on the chunk that follows it.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ds4jax.chat.dsml_parse import TextDelta, ThinkingDelta, ToolInputDelta, ToolUseStart
-from ds4jax.decoding import Result, ToolCallStarted
+from ds4jax.decoding import Result, TokenLogprob, ToolCallStarted
 from serve.responses_wire import arguments_json
 
 FINISH = {
@@ -39,6 +45,18 @@ def usage(result: Result) -> dict[str, Any]:
     }
 
 
+def logprob_entry(t: TokenLogprob) -> dict[str, Any]:
+    """One token's entry of `logprobs.content`."""
+    top = [{"token": text, "logprob": lp, "bytes": list(raw)} for _, text, raw, lp in t.top]
+    return {"token": t.text, "logprob": t.logprob, "bytes": list(t.bytes), "top_logprobs": top}
+
+
+def logprobs_of(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+    return {"content": [logprob_entry(t) for t in entries], "refusal": None}
+
+
 def final_completion(cid: str, model: str, result: Result, created: int) -> dict[str, Any]:
     m = result.message
     message: dict[str, Any] = {"role": "assistant", "content": m.content or None}
@@ -51,7 +69,8 @@ def final_completion(cid: str, model: str, result: Result, created: int) -> dict
     ]  # fmt: skip
     if calls:
         message["tool_calls"] = calls
-    choice = {"index": 0, "message": message, "finish_reason": FINISH[result.finish]}
+    choice = {"index": 0, "message": message, "finish_reason": FINISH[result.finish],
+              "logprobs": logprobs_of(result.logprobs)}  # fmt: skip
     return {
         "id": cid,
         "object": "chat.completion",
@@ -79,22 +98,28 @@ class ChatStream:
     created: int = field(default_factory=lambda: int(time.time()))
     call_ids: dict[int, str] = field(default_factory=dict)
     call_slot: dict[int, int] = field(default_factory=dict)  # call index → tool_calls index
+    #: token entries not yet sent: they ride on the next chunk
+    pending: list[TokenLogprob] = field(default_factory=list)
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        logprobs = logprobs_of(self.pending) if self.pending else None
+        self.pending = []
         return data({"id": self.cid, "object": "chat.completion.chunk", "created": self.created,
                      "model": self.model,
                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                  "logprobs": None}]})  # fmt: skip
+                                  "logprobs": logprobs}]})  # fmt: skip
 
     def start(self) -> list[bytes]:
         return [self._chunk({"role": "assistant", "content": ""})]
 
     def feed(self, ev: Any) -> list[bytes]:
-        if isinstance(ev, ThinkingDelta) and ev.text:
+        if isinstance(ev, TokenLogprob):
+            self.pending.append(ev)
+        elif isinstance(ev, ThinkingDelta) and ev.text:
             return [self._chunk({"reasoning_content": ev.text})]
-        if isinstance(ev, TextDelta) and ev.text:
+        elif isinstance(ev, TextDelta) and ev.text:
             return [self._chunk({"content": ev.text})]
-        if isinstance(ev, ToolCallStarted):
+        elif isinstance(ev, ToolCallStarted):
             self.call_ids[ev.index] = ev.id
         elif isinstance(ev, ToolUseStart):
             slot = self.call_slot.setdefault(ev.index, len(self.call_slot))

@@ -260,23 +260,32 @@ def test_tool_result_text_is_not_escaped_and_is_error_is_marked() -> None:
     assert f'<{D}invoke name="bash">\n\n</{D}invoke>' in out
 
 
-def test_unsupported_blocks_render_as_official_placeholders() -> None:
+def test_unsupported_parts_of_a_tool_output_render_as_official_placeholders() -> None:
+    """In a user turn an image is refused (`test_anthropic_request`); in a tool's output it
+    is the agent's, and the model is told with the official encoder's placeholder."""
+    output = [
+        {"type": "image", "source": {"type": "base64", "data": "AA=="}},
+        {"type": "document", "source": {"type": "text", "data": "doc text"}},
+        {"type": "document", "source": {"type": "base64", "data": "JVBE"}},
+        {"type": "text", "text": "described"},
+    ]
     body = {
         "thinking": {"type": "disabled"},
         "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image", "source": {"type": "base64", "data": "AA=="}},
-                    {"type": "document", "source": {"type": "text", "data": "doc text"}},
-                    {"type": "document", "source": {"type": "base64", "data": "JVBE"}},
-                    {"type": "text", "text": "describe"},
-                ],
-            }
+            {"role": "user", "content": [
+                {"type": "document", "source": {"type": "text", "data": "a doc"}},
+                {"type": "text", "text": "look"}]},
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "toolu_a", "name": "view", "input": {}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_a", "content": output}]},
         ],
-    }
-    assert text_of(body) == (
-        f"{BOS}{U}[Unsupported image]\n\ndoc text\n\n[Unsupported document]\n\ndescribe{A}{TE}"
+    }  # fmt: skip
+    rendered = text_of(body)
+    assert rendered.startswith(f"{BOS}{U}a doc\n\nlook{A}")
+    assert rendered.endswith(
+        "<tool_result>[Unsupported image]\n\ndoc text\n\n[Unsupported document]\n\n"
+        f"described</tool_result>{A}{TE}"
     )
 
 

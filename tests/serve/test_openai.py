@@ -261,6 +261,28 @@ async def test_chat_completions_tool_loop_stream_and_usage(
     assert "tool_call_id call_zz" in info.value.body["message"]
 
 
+async def test_chat_logprobs_whole_and_streamed(oai: openai.AsyncOpenAI, engine: Engine) -> None:
+    """`logprobs` + `top_logprobs`: one entry per output token, its bytes the reply's; the
+    stream carries the same entries, each on a chunk after its token."""
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+           "top_logprobs": 3, "extra_body": {"think": False, **force("Hello there.")}}  # fmt: skip
+    whole = await oai.chat.completions.create(**ask)
+    choice = whole.choices[0]
+    entries = choice.logprobs.content
+    assert len(entries) == whole.usage.completion_tokens > 0
+    assert bytes(b for e in entries for b in e.bytes).decode().startswith("Hello there.")
+    for e in entries:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and e.logprob <= tops[0]
+    none = await oai.chat.completions.create(**{**ask, "logprobs": False, "top_logprobs": None})
+    assert none.choices[0].logprobs is None
+    stream = await oai.chat.completions.create(**ask, stream=True)
+    streamed = [e for c in [c async for c in stream] if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]  # fmt: skip
+    assert [e.token for e in streamed] == [e.token for e in entries]
+    assert all(abs(a.logprob - b.logprob) < 1e-5 for a, b in zip(streamed, entries, strict=True))
+
+
 async def test_openai_paths_answer_errors_in_the_openai_shape(worker: EngineWorker) -> None:
     app = make_app(worker, ServerConfig(api_key="secret"))
     http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url=BASE)
