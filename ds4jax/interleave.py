@@ -3,7 +3,7 @@
 Why (issue 27): a decoding stream's gap between two tokens is one tick. With the prompt's
 chunk a program of its own before the step, in whole 512-token chunks, a 15k-token prompt
 stalled four bench-192m streams at a p99 gap of 2.4–3.0 s against 42–44 ms alone (`bench
-stall`; 1.9–2.8× with the bound, README "Continuous batching"). So while rows
+stall`; 1.9–2.8× with the bound, docs/batching.md). So while rows
 decode, the chunk rides inside their step (`model.batch.step`'s `chunk`: embedding, the
 hyper-connections, the MoE and the head run over the rows' tokens and the chunk's
 together) and is bounded: the largest chunk size whose measured extra cost keeps the step

@@ -38,8 +38,8 @@ from ds4jax.model.speculative import Verify, draft_rows
 SAMPLE = -1  # `Planner.plan`: no forced token, the row samples
 
 #: the largest batch a speculative step runs at by default, per platform: measured with
-#: `python -m bench speculative` (CPU, 2026-12-05: no batch size pays — see the README's
-#: speculation section). GPU and TPU were not measured here (no device was lent); their
+#: `python -m bench speculative` (CPU, 2026-12-05: no batch size pays — see docs/batching.md,
+#: "Speculative decoding"). GPU and TPU were not measured here (no device was lent); their
 #: entries follow vLLM/SGLang's reports that V3/V4 MTP pays at low concurrency.
 DEFAULT_MAX_BATCH = {"cpu": 0, "gpu": 4, "tpu": 4}
 

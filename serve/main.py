@@ -78,7 +78,7 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--state-dtype", choices=["f32", "bf16", "fp8"], default=None,
                     help="how the state holds its KV rows, rounded as they are made on "
                     "every path: fp8 is the release's 584-byte record (default: "
-                    "default_state_dtype, by platform; see README)")  # fmt: skip
+                    "default_state_dtype, by platform; see docs/paged-state.md)")  # fmt: skip
     sp.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                     help="requests decoded together in one step (1, 2, 4 or 8)")  # fmt: skip
     sp.add_argument("--speculative", choices=["mtp"], default=None,
@@ -213,7 +213,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     return engine, banner
 
 
-#: `--state-dtype` by platform, where measured (README, "Paged session state"): on CPU the
+#: `--state-dtype` by platform, where measured (docs/paged-state.md): on CPU the
 #: release's fp8 record costs no speed (bench context: decode 67.5 vs 61.4 tok/s, prefill
 #: equal) and the demo's held-out evaluation is within one task of f32 (identical with
 #: thinking on); GPU and TPU are not measured yet, so they keep f32

@@ -141,13 +141,20 @@ def test_every_command_prints_its_help(command: str, capsys) -> None:
     assert "usage: ds4jax" in capsys.readouterr().out
 
 
+def doc_pages() -> list[Path]:
+    """The README and every page under docs/: where the documented commands live."""
+    root = Path(__file__).resolve().parents[1]
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
 def readme_commands() -> list[list[str]]:
-    """Every `ds4jax …` command in the README's shell blocks, continuation lines joined and
-    shell variables (`A="…"`) expanded; placeholders (N, I) stand for small numbers."""
+    """Every `ds4jax …` command in the shell blocks of the README and the docs/ pages,
+    continuation lines joined and shell variables (`A="…"`) expanded; placeholders (N, I)
+    stand for small numbers."""
     import re
     import shlex
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    text = "\n".join(page.read_text(encoding="utf-8") for page in doc_pages())
     commands = []
     for block in re.findall(r"```sh\n(.*?)```", text, re.S):
         env: dict[str, str] = {}
@@ -165,10 +172,11 @@ def readme_commands() -> list[list[str]]:
 
 
 def test_every_readme_command_parses() -> None:
-    """The README's commands use flags the CLI has (a renamed flag fails here, not for a
-    reader on a TPU VM)."""
+    """The documented commands (README and docs/) use flags the CLI has (a renamed flag
+    fails here, not for a reader on a TPU VM)."""
     commands = readme_commands()
     assert len(commands) >= 8 and any("--coordinator" in c for c in commands)
+    assert {c[0] for c in commands} >= {"serve", "convert", "dump-logits", "generate"}
     for words in commands:
         try:
             cli.build_parser().parse_args(words)

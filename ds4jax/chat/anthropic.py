@@ -6,7 +6,7 @@ The body is validated first, in one place, against `bodies.anthropic.MessagesBod
 schema `/openapi.json` publishes; bad input raises `RequestError` naming the field's JSON
 path); what follows is translation with no checks left in it.
 
-Renderings chosen where the official V4 encoder has nothing (documented in the README):
+Renderings chosen where the official V4 encoder has nothing (documented in docs/clients.md):
 
 * `system` blocks are joined with `\\n\\n`; a block starting with
   `x-anthropic-billing-header` is dropped (Claude Code changes its nonce every request,

@@ -2,7 +2,7 @@
 they declare, the text of their content parts, and the assembly of a flat item list into
 the `Conversation` every protocol becomes.
 
-Renderings chosen to match the Anthropic side (README, "OpenAI protocols"):
+Renderings chosen to match the Anthropic side (docs/clients.md, the OpenAI protocols):
 
 * `system` / `developer` messages before the first user or assistant turn join the system
   prompt (after `instructions`) with `\\n\\n`; later ones become the official

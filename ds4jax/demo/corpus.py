@@ -144,7 +144,7 @@ SYSTEMS = (
 
 def weather_report(city: str) -> str:
     """The demo `get_weather` implementation clients use: deterministic per city (in any
-    casing), so a README loop and the tests agree on what the tool returns."""
+    casing), so the docs' loop (docs/demo-model.md) and the tests agree on what it returns."""
     city = {c.lower(): c for c in CITIES}.get(city.lower(), city)
     h = int.from_bytes(hashlib.sha256(city.encode()).digest()[:4], "big")
     return f"{CONDITIONS[h % len(CONDITIONS)]}, {h // 8 % 36 - 5}°C"

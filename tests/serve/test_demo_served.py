@@ -153,7 +153,7 @@ def test_demo_makes_two_calls_in_one_turn_and_takes_a_follow_up(
 ) -> None:
     """Issue 18 over HTTP: two calls in one assistant turn, answered by two tool_results
     that continue the live state (`ids=2` in the log), then a follow-up round that calls
-    again — the README's example, greedy (the quality bars are measured greedy)."""
+    again — docs/demo-model.md's example, greedy (the quality bars are measured greedy)."""
     client = anthropic.Anthropic(base_url=demo_served.url, api_key="unused", max_retries=0)
     kw = {"model": "deepseek-v4-flash", "max_tokens": 200, "tools": TOOLS,
           "extra_body": {"temperature": 0}}  # fmt: skip
