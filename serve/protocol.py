@@ -21,7 +21,7 @@ from ds4jax.chat.dsml_parse import (
     ToolUseStart,
     ToolUseStop,
 )
-from ds4jax.continuation.tool_memory import new_tool_id
+from ds4jax.chat.ids import new_tool_id
 from ds4jax.engine import Result, ToolCallStarted
 
 SIGNATURE = "ds4jax"  # thinking blocks need a signature; clients send it back unchanged

@@ -10,43 +10,18 @@ used first out.
 
 from __future__ import annotations
 
-import hashlib
-import itertools
-import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+
+# minted by the chat layer, which renders them; kept importable from here until
+# `ds4jax.decoding` (being split out of the engine) imports them from `ds4jax.chat.ids`
+from ds4jax.chat.ids import id_stream, new_tool_id
+
+__all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_IDS", "ToolMemory", "id_stream", "new_tool_id"]
 
 DEFAULT_MAX_IDS = 100_000
 DEFAULT_MAX_BYTES = 512 * 1024 * 1024
-
-
-def new_tool_id(
-    taken: Iterable[str] = (),
-    prefix: str = "toolu_",
-    token_hex: Callable[[int], str] = secrets.token_hex,
-) -> str:
-    """`prefix` (`toolu_` for Anthropic, `call_` for the OpenAI protocols) + 32 hex
-    characters from `token_hex` (`secrets`, or a request's `id_stream`), unique among
-    `taken`."""
-    taken = set(taken)
-    while True:
-        tid = prefix + token_hex(16)
-        if tid not in taken:
-            return tid
-
-
-def id_stream(key: bytes) -> Callable[[int], str]:
-    """Hex drawn from a request's secret `key` (keyed BLAKE2b of a counter): as unguessable
-    as `secrets` to anyone without the key, and the same in every process that was handed
-    the request, so every process of a multi-host group binds the same tool ids."""
-    counter = itertools.count()
-
-    def token_hex(nbytes: int) -> str:
-        msg = next(counter).to_bytes(8, "little")
-        return hashlib.blake2b(msg, key=key, digest_size=nbytes).hexdigest()
-
-    return token_hex
 
 
 class ToolMemory:

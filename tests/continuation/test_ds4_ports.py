@@ -30,10 +30,11 @@ import pytest
 
 from ds4jax.chat import specials
 from ds4jax.chat.anthropic import parse_messages_request
+from ds4jax.chat.ids import new_tool_id
 from ds4jax.chat.render import render_text
 from ds4jax.continuation.decide import EOS_SEGMENT
 from ds4jax.continuation.evidence import attach_tool_memory
-from ds4jax.continuation.tool_memory import ToolMemory, new_tool_id
+from ds4jax.continuation.tool_memory import ToolMemory
 from ds4jax.continuation.types import (
     LIVE_GONE_MESSAGE,
     CacheSource,

@@ -10,7 +10,7 @@ import queue
 import threading
 from typing import Any
 
-from ds4jax.continuation.tool_memory import id_stream, new_tool_id
+from ds4jax.chat.ids import id_stream, new_tool_id
 from ds4jax.distributed import Leader, follow
 from ds4jax.engine import Engine, SamplingParams
 from tests.continuation.conftest import TOOLS, prepare
