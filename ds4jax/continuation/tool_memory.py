@@ -61,6 +61,13 @@ class ToolMemory:
                 self._by_id.move_to_end(tid)
             return blocks.pop()
 
+    def items(self) -> list[tuple[str, str]]:
+        """Every (id, block), least recently used first, copied under the lock: the disk
+        store reads them from its save thread while requests remember more, and remembering
+        them back in this order (`remember([tid], block)`) rebuilds the same recency."""
+        with self._lock:
+            return list(self._by_id.items())
+
     def __contains__(self, tid: str) -> bool:
         with self._lock:
             return tid in self._by_id

@@ -64,7 +64,6 @@ import time
 import zlib
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,7 +77,7 @@ from ds4jax.config import Config
 from ds4jax.kvstore import policy
 from ds4jax.kvstore.fingerprint import model_fingerprint
 from ds4jax.kvstore.payload import crc_pool, digest, manifest, pack, payload_bytes, unpack
-from ds4jax.kvstore.store import DiskHit
+from ds4jax.kvstore.store import DiskHit, ToolEntries
 from ds4jax.model.state import DecodeState, span_for, spans, window
 
 log = logging.getLogger("ds4jax.kvstore")
@@ -297,19 +296,12 @@ def _read_payload(path: Path, arrays: Mapping[str, Any]) -> dict[str, np.ndarray
     }
 
 
-def tool_entries_in(text: str, tool_memory: Any) -> dict[str, str]:
+def tool_entries_in(text: str, tool_memory: ToolEntries | None) -> dict[str, str]:
     """The entries (tool id → DSML block) of `tool_memory` (a `ToolMemory` or a mapping)
     whose exact block occurs in `text`: every id of each such block (ds4 §2.7)."""
     if tool_memory is None:
         return {}
-    if isinstance(tool_memory, Mapping):
-        items = list(tool_memory.items())
-    else:
-        by_id = getattr(tool_memory, "_by_id", None)
-        if not by_id:
-            return {}
-        with getattr(tool_memory, "_lock", None) or nullcontext():
-            items = list(by_id.items())
+    items = list(tool_memory.items())
     open_tag = "<" + specials.DSML + "tool_calls>"
     close_tag = "</" + specials.DSML + "tool_calls>"
     if not items or open_tag not in text:
@@ -692,7 +684,7 @@ class DiskStore:
         segments: tuple[Segment, ...],
         state: Any,
         reason: str,
-        tool_memory: Any,
+        tool_memory: ToolEntries | None,
     ) -> None:
         """Persist `state` (exactly `tokens`) unless the policy says no; never raises: a
         failure is logged and the save skipped. An existing checkpoint of the same text and

@@ -16,6 +16,7 @@ and never keeps a state whose `pos` is not `len(tokens)`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,6 +30,14 @@ class DiskHit:
     segments: tuple[Segment, ...]  # the rendered text of `tokens`, as segments
     load: Any  # () -> DecodeState, called only if the decision picks this hit
     tool_entries: dict[str, str] = field(default_factory=dict)  # tool id → DSML block
+
+
+class ToolEntries(Protocol):
+    """What a save reads of the tool memory (`continuation.tool_memory.ToolMemory`, or a
+    plain mapping in tests): its (id, block) pairs, taken as one consistent copy, since a save
+    runs on the store's thread while requests keep remembering."""
+
+    def items(self) -> Iterable[tuple[str, str]]: ...
 
 
 class KVStore(Protocol):
@@ -50,7 +59,7 @@ class KVStore(Protocol):
         segments: tuple[Segment, ...],
         state: Any,
         reason: str,
-        tool_memory: Any,
+        tool_memory: ToolEntries | None,
     ) -> None:
         """Persist `state`, which holds exactly `tokens` (reasons: cold, continued, evict,
         shutdown); `tool_memory` supplies the entries whose DSML the text contains."""
@@ -74,6 +83,6 @@ class NoStore:
         segments: tuple[Segment, ...],
         state: Any,
         reason: str,
-        tool_memory: Any,
+        tool_memory: ToolEntries | None,
     ) -> None:
         return None

@@ -120,7 +120,7 @@ class PreState:
     @classmethod
     def of(cls, engine: Engine) -> PreState:
         b = engine.bindings
-        return cls(engine.live, b.tool, b.thinking, tuple(engine.tool_memory._by_id.items()))
+        return cls(engine.live, b.tool, b.thinking, tuple(engine.tool_memory.items()))
 
     def same_as(self, other: PreState, *, lru_order: bool) -> bool:
         memory_same = (
