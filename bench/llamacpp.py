@@ -244,6 +244,7 @@ def ds4jax_speed(cfg: Any, params: Any, sizes: tuple[int, ...]) -> dict[str, flo
 def main(quick: bool = False, cfg_name: str = "bench-192m", seed: int = 0) -> dict:
     from bench.disk import use_compile_cache
     from bench.report import write_json
+    from ds4jax.chat.tokenizer import load_tokenizer
     from ds4jax.model.checkpoint import load_model
     from ds4jax.model.forward import prefill
     from ds4jax.model.state import init_state
@@ -268,7 +269,7 @@ def main(quick: bool = False, cfg_name: str = "bench-192m", seed: int = 0) -> di
         release = write_checkpoint(cfg_name, seed, root)
         mxfp4 = convert(release, root / "mxfp4.gguf", log)
         ggufs = {"as_converted": mxfp4, "all_f32": all_f32(mxfp4, root / "f32.gguf")}
-        cfg, params, tok, _ = load_model(str(release))
+        cfg, params, tok, _ = load_model(str(release), load_tokenizer=load_tokenizer)
         text = "The engine keeps the sampled state as the truth and appends only the suffix. "
         tokens = [tok.bos_id, *tok.encode_text(text * 6)][:64]
         ours = {}
@@ -293,7 +294,9 @@ def main(quick: bool = False, cfg_name: str = "bench-192m", seed: int = 0) -> di
         out["ds4jax_tok_s"] = ds4jax_speed(cfg.replace(quant_sim=False), params, sizes)
         print(f"ds4jax: {out['ds4jax_tok_s']}", flush=True)
         del params
-        _, fp4, _, _ = load_model(str(release), weights="fp4-experts")
+        _, fp4, _, _ = load_model(
+            str(release), weights="fp4-experts", load_tokenizer=load_tokenizer
+        )
         out["ds4jax_fp4_experts_tok_s"] = ds4jax_speed(cfg.replace(quant_sim=False), fp4, sizes)
         print(f"ds4jax fp4-experts: {out['ds4jax_fp4_experts_tok_s']}", flush=True)
     finally:

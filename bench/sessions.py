@@ -56,11 +56,12 @@ def _prepared(engine, body: dict, max_tokens: int):
 
 def live_rate(loops: int) -> list[dict[str, Any]]:
     from ds4jax.chat.anthropic import response_content
+    from ds4jax.chat.tokenizer import load_tokenizer
     from ds4jax.continuation.types import CacheSource
     from ds4jax.demo.corpus import TOOLS as DEMO_TOOLS
     from ds4jax.model.checkpoint import load_model
 
-    cfg, params, tok, _ = load_model("demo")
+    cfg, params, tok, _ = load_model("demo", load_tokenizer=load_tokenizer)
     rows = []
     for n in POOL_SIZES:
         engine = _engine(cfg, params, tok, 2048, n)

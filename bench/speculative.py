@@ -30,14 +30,14 @@ REPEATS = {"demo": 9, "bench-192m": 3}
 
 def _engines(name: str, max_len: int) -> tuple[Any, Any]:
     """(plain, speculative) engines on the same weights."""
-    from ds4jax.chat.tokenizer import V4Tokenizer
+    from ds4jax.chat.tokenizer import V4Tokenizer, load_tokenizer
     from ds4jax.config import load_config
     from ds4jax.engine import Engine
     from ds4jax.model.checkpoint import load_model
     from ds4jax.model.params import init_params
 
     if name == "demo":
-        cfg, params, tokenizer, _ = load_model("demo", mtp=True)
+        cfg, params, tokenizer, _ = load_model("demo", mtp=True, load_tokenizer=load_tokenizer)
     else:
         cfg = load_config(name)
         params = init_params(cfg, 0, mtp_layers=1)

@@ -72,9 +72,9 @@ def _load_model(args: argparse.Namespace) -> tuple[Any, Any, Any, Callable[[Any]
 
     placement = Placement(args.mesh)
     cfg, params, tokenizer, _ = load_model(
-        args.model, args.config, args.seed, attention_impl=args.attention_impl,
-        shardings=placement, weights=args.weights, revision=args.revision,
-        download_dir=args.download_dir,
+        args.model, args.config, args.seed, load_tokenizer=load_tokenizer,
+        attention_impl=args.attention_impl, shardings=placement, weights=args.weights,
+        revision=args.revision, download_dir=args.download_dir,
     )  # fmt: skip
     quant = getattr(args, "quant_sim", None)
     if quant is not None:

@@ -107,6 +107,7 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
 
 
 def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
+    from ds4jax.chat.tokenizer import load_tokenizer
     from ds4jax.model.checkpoint import load_model
     from ds4jax.model.state import capacity_bytes
 
@@ -122,8 +123,9 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     placement = Placement(args.mesh)
     try:
         cfg, params, tokenizer, banner = load_model(
-            model, config, args.seed, attention_impl=args.attention_impl, shardings=placement,
-            weights=args.weights, revision=args.revision, download_dir=args.download_dir,
+            model, config, args.seed, load_tokenizer=load_tokenizer,
+            attention_impl=args.attention_impl, shardings=placement, weights=args.weights,
+            revision=args.revision, download_dir=args.download_dir,
             mtp=args.speculative == "mtp",
         )  # fmt: skip
     except MeshError as err:

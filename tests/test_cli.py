@@ -105,12 +105,14 @@ def test_tokenizer_train_then_tokenize_with_it(tmp_path: Path) -> None:
 
 
 def test_attention_impl_flag_reaches_the_config() -> None:
+    from ds4jax.chat.tokenizer import load_tokenizer
     from ds4jax.model.checkpoint import load_model
     from serve.main import add_arguments
 
-    cfg, *_ = load_model(None, "tiny", attention_impl="pallas")
+    cfg, *_ = load_model(None, "tiny", attention_impl="pallas", load_tokenizer=load_tokenizer)
     assert cfg.attention_impl == "pallas"
-    assert load_model(None, "tiny")[0].attention_impl == "auto"  # the config's own
+    cfg, *_ = load_model(None, "tiny", load_tokenizer=load_tokenizer)
+    assert cfg.attention_impl == "auto"  # the config's own
     sp = argparse.ArgumentParser()
     add_arguments(sp)
     assert sp.parse_args(["--attention-impl", "xla"]).attention_impl == "xla"

@@ -45,6 +45,7 @@ def load_model(
     unless asked, so the `exact` control measures float rounding only) or a checkpoint
     directory / named model such as `demo` (`ds4jax.model.checkpoint.load_model`: its own
     tokenizer when it ships one; its config's `quant_sim` unless overridden)."""
+    from ds4jax.chat.tokenizer import load_tokenizer
     from ds4jax.model.checkpoint import load_model as load
     from ds4jax.model.checkpoint import resolve_model_dir
 
@@ -54,9 +55,9 @@ def load_model(
         checkpoint = False
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     if checkpoint:
-        cfg, params, tok, _ = load(model, dtype=dtype)
+        cfg, params, tok, _ = load(model, dtype=dtype, load_tokenizer=load_tokenizer)
     else:
-        cfg, params, tok, _ = load(None, str(model), seed, dtype)
+        cfg, params, tok, _ = load(None, str(model), seed, dtype, load_tokenizer=load_tokenizer)
         quant_sim = bool(quant_sim)
     if quant_sim is not None:
         cfg = cfg.replace(quant_sim=quant_sim)

@@ -19,21 +19,22 @@ renames on commit, so an interrupted save never looks like a checkpoint.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from ds4jax.chat.tokenizer import Tokenizer
 from ds4jax.config import CONFIG_DIR, Config
 from ds4jax.model import quantized
 from ds4jax.model.loading import CheckpointError, load_hf_checkpoint
 from ds4jax.model.official import is_official_layout, load_official_checkpoint
 from ds4jax.model.params import Params, param_shapes
+
+T = TypeVar("T")  # the tokenizer: whatever `load_model`'s caller's loader makes
 
 FORMAT = "ds4jax-params"
 VERSION = 1
@@ -293,17 +294,21 @@ def load_model(
     seed: int = 0,
     dtype: Any = jnp.float32,
     *,
+    load_tokenizer: Callable[[Path | None], T],
     attention_impl: str | None = None,
     shardings: Any = None,
     weights: str | None = None,
     revision: str | None = None,
     download_dir: str | None = None,
     mtp: bool = False,
-) -> tuple[Config, Params, Tokenizer, str]:
+) -> tuple[Config, Params, T, str]:
     """(config, params, tokenizer, description) for the CLI and the server: a checkpoint
     directory, named model or Hub repo id (`resolve_model_dir`, with `revision` and
-    `download_dir`; its own tokenizer.json or SentencePiece `.model` when it ships one, else
-    the official V4 tokenizer), or a named config with random weights.
+    `download_dir`), or a named config with random weights.
+    `load_tokenizer` makes the tokenizer (`ds4jax.chat.tokenizer.load_tokenizer`): it is
+    handed the checkpoint directory when that ships its own tokenizer.json or SentencePiece
+    `.model`, else None (the official V4 tokenizer). The caller passes it because model/ sits
+    below chat/: this module knows where a checkpoint keeps its tokenizer, not how to read it.
     `attention_impl` overrides the config's (xla / pallas / auto). `shardings`: where the
     params go, as `restore_params` takes it (`model.sharding.Placement` for a `--mesh`).
     `weights` (`WEIGHTS`, overrides `dtype`): f32, bf16, fp8 — the release's FP8/FP4
@@ -316,12 +321,12 @@ def load_model(
         if weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {sorted(WEIGHTS)}, not {weights!r}")
         dtype = WEIGHTS[weights]
-    cfg, params, tokenizer, what = _load(
+    cfg, params, tokenizer_dir, what = _load(
         model, config, seed, dtype, shardings, resident, revision, download_dir, mtp
     )
     if attention_impl is not None:
         cfg = cfg.replace(attention_impl=attention_impl)
-    return cfg, params, tokenizer, what
+    return cfg, params, load_tokenizer(tokenizer_dir), what
 
 
 def _load(
@@ -334,8 +339,9 @@ def _load(
     revision: str | None = None,
     download_dir: str | None = None,
     mtp: bool = False,
-) -> tuple[Config, Params, Tokenizer, str]:
-    from ds4jax.chat.tokenizer import load_tokenizer
+) -> tuple[Config, Params, Path | None, str]:
+    """`load_model`'s work, the tokenizer named by the directory that holds it (None: the
+    official one)."""
     from ds4jax.config import load_config
     from ds4jax.model.params import init_params
 
@@ -343,7 +349,7 @@ def _load(
         d = resolve_model_dir(model, revision, download_dir)
         cfg, params = load_any(d, dtype=dtype, shardings=shardings, resident=resident, mtp=mtp)
         own = (d / "tokenizer.json").is_file() or any(d.glob("*.model"))
-        return cfg, params, load_tokenizer(d if own else None), f"model {model}"
+        return cfg, params, d if own else None, f"model {model}"
     if config is None:
         raise ValueError("name a model or a config")
     if resident:
@@ -356,4 +362,4 @@ def _load(
         f"config {config!r} with RANDOM weights (seed {seed}): it shows the plumbing, "
         "its text is noise"
     )
-    return cfg, params, load_tokenizer(None), what
+    return cfg, params, None, what

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from ds4jax.chat.tokenizer import load_tokenizer
 from ds4jax.demo.evaluate import BARS, Outcome, main, score
 from ds4jax.demo.train import DEMO_DIR
 from ds4jax.engine import Engine
@@ -19,7 +20,7 @@ N = 50
 
 @pytest.fixture(scope="module")
 def outcomes() -> dict[str, list[Outcome]]:
-    cfg, params, tokenizer, _ = load_model(DEMO_DIR)
+    cfg, params, tokenizer, _ = load_model(DEMO_DIR, load_tokenizer=load_tokenizer)
     return score(Engine(cfg, params, tokenizer, max_len=1024), N)
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from ds4jax.chat.anthropic import parse_messages_request
 from ds4jax.chat.render import render
+from ds4jax.chat.tokenizer import load_tokenizer
 from ds4jax.demo.corpus import held_out_tasks, request_body
 from ds4jax.demo.train import DEMO_DIR
 from ds4jax.demo.train_mtp import main
@@ -48,7 +49,7 @@ def test_the_shipped_checkpoint_has_a_trained_block() -> None:
 def test_loading_without_asking_gives_the_model_as_it_was() -> None:
     _, params = restore_params(DEMO_DIR)
     assert "mtp" not in params and digest(params) == MAIN_DIGEST
-    _, served, *_ = load_model(DEMO_DIR)
+    _, served, *_ = load_model(DEMO_DIR, load_tokenizer=load_tokenizer)
     assert "mtp" not in served and digest(served) == MAIN_DIGEST
 
 
@@ -56,14 +57,14 @@ def test_loading_with_the_block() -> None:
     cfg, params = restore_params(DEMO_DIR, mtp=True)
     assert jax.tree.structure(params) == jax.tree.structure(param_shapes(cfg, mtp_layers=1))
     assert digest({k: v for k, v in params.items() if k != "mtp"}) == MAIN_DIGEST
-    _, served, *_ = load_model(DEMO_DIR, mtp=True)
+    _, served, *_ = load_model(DEMO_DIR, mtp=True, load_tokenizer=load_tokenizer)
     assert digest(served["mtp"]) == digest(params["mtp"])
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     """Held-out prompts (templates training never saw), two of each scored kind."""
-    _, _, tok, _ = load_model(DEMO_DIR)
+    _, _, tok, _ = load_model(DEMO_DIR, load_tokenizer=load_tokenizer)
     out = []
     for kind in ("single", "parallel", "followup", "refusal"):
         for task in held_out_tasks(2, 1_000_003, kind):

@@ -15,6 +15,7 @@ from huggingface_hub.errors import IncompleteSnapshotError
 from huggingface_hub.utils import filter_repo_objects
 
 from ds4jax import cli
+from ds4jax.chat.tokenizer import load_tokenizer
 from ds4jax.config import load_config
 from ds4jax.model import hub
 from ds4jax.model.checkpoint import load_model, resolve_model_dir
@@ -106,8 +107,10 @@ def test_only_the_hub_s_repo_id_shape_is_looked_up_on_the_hub(value: str, repo: 
 
 @pytest.mark.usefixtures("offline")
 def test_a_repo_id_loads_the_model_its_directory_holds(cache: Path, release: Path) -> None:
-    cfg, params, tokenizer, what = load_model(REPO_ID, download_dir=str(cache))
-    ref_cfg, ref_params, ref_tokenizer, _ = load_model(release)
+    cfg, params, tokenizer, what = load_model(
+        REPO_ID, download_dir=str(cache), load_tokenizer=load_tokenizer
+    )
+    ref_cfg, ref_params, ref_tokenizer, _ = load_model(release, load_tokenizer=load_tokenizer)
     assert what == f"model {REPO_ID}"
     assert cfg == ref_cfg
     assert_same(params, ref_params)

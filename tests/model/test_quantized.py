@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from ds4jax.chat.tokenizer import load_tokenizer
 from ds4jax.model import batch as batch_ops
 from ds4jax.model import official
 from ds4jax.model.checkpoint import load_model
@@ -124,9 +125,9 @@ def test_fp4_experts_keep_only_the_experts_and_give_the_f32_logits(release: Path
 
 def test_fp8_needs_the_official_layout(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="official layout"):
-        load_model(None, "tiny", weights="fp8")
+        load_model(None, "tiny", weights="fp8", load_tokenizer=load_tokenizer)
     from ds4jax.model.checkpoint import save_params
 
     save_params(init_params(CFG, 0), CFG, tmp_path / "orbax")
     with pytest.raises(CheckpointError, match="official layout, not orbax"):
-        load_model(tmp_path / "orbax", weights="fp8")
+        load_model(tmp_path / "orbax", weights="fp8", load_tokenizer=load_tokenizer)

@@ -135,12 +135,13 @@ def test_disk_checkpoints_of_the_group_serve_it_and_one_process(
 
     from ds4jax.chat.anthropic import parse_messages_request
     from ds4jax.chat.render import render
+    from ds4jax.chat.tokenizer import load_tokenizer
     from ds4jax.engine import Engine
     from ds4jax.kvstore.disk import DiskStore
     from ds4jax.model.checkpoint import load_model
     from serve.main import default_state_dtype
 
-    cfg, params, tok, _ = load_model("demo")
+    cfg, params, tok, _ = load_model("demo", load_tokenizer=load_tokenizer)
     cfg = cfg.replace(state_dtype=default_state_dtype())  # as the group serves it
     store = DiskStore.for_model(served_group.kv_dir, cfg, params, tok, max_len=2048)
     body = {"system": SYSTEM, "tools": TOOLS,
