@@ -17,6 +17,7 @@ from ds4jax.chat.anthropic import RequestError, parse_messages_request
 from ds4jax.chat.render import render
 from ds4jax.chat.segments import join
 from ds4jax.chat.tokenizer import load_tokenizer
+from ds4jax.model.options import add_attention_impl, add_hub_options, add_weights
 
 
 def _read_body(path: str) -> Any:
@@ -211,37 +212,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from serve.main import serve
 
     return serve(args)
-
-
-def add_weights(sp: argparse.ArgumentParser) -> None:
-    # the names `checkpoint.WEIGHTS` maps (not imported here: it loads Orbax, whose import
-    # takes over logging before `serve` configures it)
-    sp.add_argument(
-        "--weights", choices=["f32", "bf16", "fp8", "fp4-experts"], default="f32",
-        help="f32 (default), bf16 (both dequantize a release at load), fp8: the official "
-        "release's FP8 linears and FP4 experts stay so on device, expanded inside the step, "
-        "or fp4-experts: only the routed experts stay FP4 (two per byte), the rest f32",
-    )  # fmt: skip
-
-
-def add_attention_impl(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument(
-        "--attention-impl", choices=["auto", "xla", "pallas"], default=None,
-        help="attention: the config's (default; usually auto: per op the faster measured "
-        "choice on this platform), xla (jnp twins) or pallas (the kernels)",
-    )  # fmt: skip
-
-
-def add_hub_options(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument(
-        "--revision", default=None,
-        help="a Hugging Face Hub repo id's branch, tag or commit (default main)",
-    )  # fmt: skip
-    sp.add_argument(
-        "--download-dir", default=None,
-        help="the Hugging Face cache a repo id is read from and fetched into (default "
-        "HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)",
-    )  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

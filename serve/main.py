@@ -12,11 +12,11 @@ import sys
 import time
 from typing import Any
 
-from ds4jax.cli import add_attention_impl, add_hub_options, add_weights
 from ds4jax.config import CONFIG_DIR
 from ds4jax.continuation.reasoning_seal import ReasoningSeal
 from ds4jax.engine import Engine
 from ds4jax.interleave import DEFAULT_STALL_BOUND
+from ds4jax.model.options import add_attention_impl, add_hub_options, add_weights
 from ds4jax.model.sharding import MESH_HELP
 from serve import logs
 from serve.app import ServerConfig, create_app

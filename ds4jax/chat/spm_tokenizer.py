@@ -1,6 +1,6 @@
 """SentencePiece backend for small research vocabularies, and its trainer.
 
-`SpmTokenizer` implements `ds4jax.chat.tokenizer.Tokenizer` over a SentencePiece `.model`;
+`SpmTokenizer` implements `ds4jax.chat.tokenizer_base.Tokenizer` over a SentencePiece `.model`;
 `train_spm` trains one whose special tokens sit where V4 has them (BOS id 0, EOS id 1) and
 whose plain text round-trips byte for byte.
 
@@ -41,7 +41,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from ds4jax.chat import specials
-from ds4jax.chat.tokenizer import Tokenizer
+from ds4jax.chat.tokenizer_base import Tokenizer
 
 __all__ = ["SpmTokenizer", "train_spm"]
 
