@@ -95,8 +95,13 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
                     "jax.distributed; process 0 serves HTTP, the others follow")  # fmt: skip
     sp.add_argument("--num-processes", type=int, default=1, help="processes in the group")
     sp.add_argument("--process-id", type=int, default=0, help="this process (0: the server)")
-    sp.add_argument("--kv-disk-dir", default=None, help="disk checkpoints (disk issue)")
-    sp.add_argument("--kv-disk-space-mb", type=int, default=4096)
+    sp.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                    help="keep checkpoints of decode states in DIR, keyed by rendered "
+                    "prompt prefix, so a restart or an evicted session resumes without a "
+                    "cold prefill (default: no disk cache)")  # fmt: skip
+    sp.add_argument("--kv-disk-space-mb", type=int, default=4096,
+                    help="MiB --kv-disk-dir may hold; least recently used checkpoints "
+                    "go first")  # fmt: skip
     sp.add_argument("--trace", default=None, help="append JSON lines per request to FILE")
     sp.add_argument("--cors", action="store_true", help="send permissive CORS headers")
     sp.add_argument("--queue", type=int, default=16, help="max queued requests (then 503)")
