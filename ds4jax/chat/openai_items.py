@@ -85,7 +85,9 @@ class Tools:
         if namespace:
             self.namespaced[namespace + name] = (namespace, name)
         params = _EMPTY_PARAMETERS if parameters is None else parameters
-        self.schemas.append(ToolSchema(namespace + name, description, params))
+        self.schemas.append(
+            ToolSchema(name=namespace + name, description=description, parameters=params)
+        )
 
 
 @dataclass

@@ -72,6 +72,8 @@ def either(
     members = tuple(Annotated[t, Tag(_TAG + name)] for name, t in branches.items())
 
     def tag(value: Any) -> str | None:
+        if isinstance(value, BaseModel):  # serializing a validated body (an echo)
+            value = value.model_dump(exclude_unset=True)
         name = choose(value)
         if name is not None and name in branches:
             return _TAG + name
