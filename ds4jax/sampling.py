@@ -1,5 +1,6 @@
 """Next-token selection from logits: greedy at temperature 0, else temperature sampling with
-optional top-k / top-p / min-p filtering. Pure functions of (logits, key)."""
+optional top-k / top-p / min-p filtering. Pure functions of (logits, keys), written once for
+rows (`sample_rows`, what the batched step runs); one sequence is a batch of one."""
 
 from __future__ import annotations
 
@@ -27,47 +28,23 @@ def sample(
     top_p: float = 1.0,
     min_p: float = 0.0,
 ) -> jax.Array:
-    """A token id (int32 scalar). Filters apply in the order top-k, top-p, min-p, on the
-    temperature-scaled distribution; at least the most likely token always survives."""
-    logits = logits.astype(jnp.float32)
-    if temperature <= 0:
-        return argmax(logits)
-    z = logits / temperature
-    if top_k and top_k < z.shape[-1]:
-        kth = jax.lax.top_k(z, top_k)[0][-1]
-        z = jnp.where(z < kth, -jnp.inf, z)
-    if top_p < 1.0:
-        z = jnp.where(nucleus(z, top_p), z, -jnp.inf)
-    if min_p > 0.0:
-        probs = jax.nn.softmax(z)
-        z = jnp.where(probs < min_p * jnp.max(probs), -jnp.inf, z)
-    return jax.random.categorical(key, z).astype(jnp.int32)
+    """One row's token (int32 scalar): `sample_rows` on a batch of one, so a single sequence
+    (`ds4jax generate`, fidelity trajectories) samples exactly as a served row does."""
 
-
-#: Candidates the nucleus is first looked for among: sorting the whole V4 vocabulary
-#: (129k) costs ~60 ms per token on CPU, `top_k` of this many ~1 ms.
-NUCLEUS_CANDIDATES = 1024
+    top_k = min(top_k, 2**31 - 1)
+    return _sample_one(logits, key, jnp.float32(temperature), jnp.int32(top_k),
+                       jnp.float32(top_p), jnp.float32(min_p))  # fmt: skip
 
 
 @jax.jit
-def nucleus(z: jax.Array, top_p: float | jax.Array) -> jax.Array:
-    """Top-p keep mask: a token stays when the probability of the tokens ranked before it
-    (descending, ties by lower id) is < top_p. When the best `NUCLEUS_CANDIDATES` tokens
-    already hold ≥ top_p of the mass, every kept token is among them and only they are
-    ranked; otherwise (a flat distribution) the whole vocabulary is sorted."""
-    probs = jax.nn.softmax(z)
-    _, top = jax.lax.top_k(z, min(NUCLEUS_CANDIDATES, z.shape[-1]))
+def _sample_one(logits, key, temperature, top_k, top_p, min_p) -> jax.Array:
+    return sample_rows(logits[None], key[None], temperature[None], top_k[None], top_p[None],
+                       min_p[None])[0]  # fmt: skip
 
-    def keep_of(ids: jax.Array) -> jax.Array:
-        p_sorted = probs[ids]
-        keep_sorted = (jnp.cumsum(p_sorted) - p_sorted) < top_p
-        return jnp.zeros(z.shape, bool).at[ids].set(keep_sorted)
 
-    return jax.lax.cond(
-        jnp.sum(probs[top]) >= top_p,
-        lambda: keep_of(top),
-        lambda: keep_of(jnp.argsort(-z, stable=True)),
-    )
+#: Candidates a row's kept set is first looked for among: sorting the whole V4 vocabulary
+#: (129k) costs ~60 ms per token on CPU, `top_k` of this many ~1 ms.
+NUCLEUS_CANDIDATES = 1024
 
 
 # ------------------------------------------------------------------ per-row, in one jit

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds4jax.sampling import NUCLEUS_CANDIDATES, argmax, nucleus, sample, sample_rows
+from ds4jax.sampling import NUCLEUS_CANDIDATES, argmax, keep_rows, sample, sample_rows
 
 V = 129280
 
@@ -24,6 +24,12 @@ def mass_before(z: np.ndarray) -> np.ndarray:
     out = np.empty(z.shape)
     out[order] = np.cumsum(p[order]) - p[order]
     return out
+
+
+def nucleus(z: jax.Array, top_p: float) -> jax.Array:
+    """The top-p keep mask of one row, as the batched step finds it (`keep_rows`)."""
+    none = jnp.zeros(1, jnp.int32)
+    return keep_rows(z[None], none, jnp.full(1, top_p), jnp.zeros(1))[0]
 
 
 def nucleus_by_sorting(z: np.ndarray, top_p: float) -> np.ndarray:
