@@ -263,7 +263,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
         msg_id = protocol.new_message_id()
         model_name = req.model
         if req.stream:
-            return await _stream(job, msg_id, model_name)
+            return await _stream(job, protocol.AnthropicStream(msg_id, model_name))
         return await _complete(job, lambda r: protocol.final_message(msg_id, model_name, r))
 
     @app.post("/v1/responses")
@@ -279,8 +279,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
             return job
         rid = responses_wire.new_id("resp_")
         if rreq.request.stream:
-            stream = responses_wire.ResponsesStream(rid, rreq, config.seal.seal)
-            return await _openai_stream(job, stream, responses_wire.KEEPALIVE)
+            return await _stream(job, responses_wire.ResponsesStream(rid, rreq, config.seal.seal))
         created = int(time.time())
         return await _complete(
             job, lambda r: responses_wire.final_response(rid, rreq, r, config.seal.seal, created)
@@ -298,8 +297,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
             return job
         cid, model_name = chat_wire.new_completion_id(), creq.request.model
         if creq.request.stream:
-            stream = chat_wire.ChatStream(cid, model_name, creq.include_usage)
-            return await _openai_stream(job, stream, chat_wire.KEEPALIVE)
+            return await _stream(job, chat_wire.ChatStream(cid, model_name, creq.include_usage))
         created = int(time.time())
         return await _complete(
             job, lambda r: chat_wire.final_completion(cid, model_name, r, created)
@@ -318,9 +316,12 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
             job.cancel.set()
             raise
 
-    async def _openai_stream(job: Job, stream: Any, keepalive: bytes) -> Response:
-        """An OpenAI SSE stream: `stream` (`ResponsesStream`, `ChatStream`) projects the
-        engine's events; SSE comments keep the connection alive through long prefills."""
+    async def _stream(job: Job, wire: Any) -> Response:
+        """The one SSE loop of the three APIs: the job's events, projected by `wire` (the
+        API's writer: `protocol.AnthropicStream`, `responses_wire.ResponsesStream`,
+        `chat_wire.ChatStream`), with the API's keepalive through long prefills and queues.
+        A stream that has started always ends — with the API's failure frame if the work
+        failed — and a client that goes away cancels the work."""
         first = await _first(job)
         if isinstance(first, Response):
             return first
@@ -329,29 +330,29 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
             finished = False
             pending = [first] if first is not None else []
             try:
-                for frame in stream.start():
+                for frame in wire.start(first is None, job.prepared.prompt_tokens):
                     yield frame
                 while True:
                     item = pending.pop(0) if pending else await _next(job, config.ping_interval)
                     if item is None or item[0] in ("progress", "queued"):
-                        yield keepalive
+                        yield wire.keepalive
                         continue
                     kind, payload = item
-                    if kind == "event":
-                        for frame in stream.feed(payload):
-                            yield frame
-                    elif kind in ("done", "error"):
+                    if kind == "decided":
+                        decision, prefill_n = payload
+                        out = wire.decided(decision.cached, prefill_n)
+                    elif kind == "event":
+                        out = wire.feed(payload)
+                    elif kind == "done":
                         finished = True
-                        if kind == "done":
-                            out = stream.finish(payload)
-                        elif isinstance(payload, EngineError):
-                            metrics.rejected(payload.status)
-                            out = stream.fail(payload.message)
-                        else:
-                            metrics.rejected(_status(payload))
-                            out = stream.fail(f"generation failed: {type(payload).__name__}")
-                        for frame in out:
-                            yield frame
+                        out = wire.finish(payload)
+                    else:  # "error"
+                        finished = True
+                        metrics.rejected(_status(payload))
+                        out = wire.fail(*_failure(payload))
+                    for frame in out:
+                        yield frame
+                    if finished:
                         return
             finally:
                 if not finished:  # the client went away (or the stream broke): stop work
@@ -392,69 +393,6 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
         log.error("request failed: %r", err)
         return _err(500, f"generation failed: {type(err).__name__}")
 
-    async def _stream(job: Job, msg_id: str, model_name: str) -> Response:
-        first = await _first(job)
-        if isinstance(first, Response):
-            return first
-
-        async def frames():
-            projector = protocol.StreamProjector()
-            started = False
-            finished = False
-            pending = [first] if first is not None else []
-            try:
-                if first is None:
-                    # still queued: open with message_start now (usage provisional: the
-                    # whole prompt; the final message_delta carries the exact split)
-                    n = job.prepared.prompt_tokens
-                    yield protocol.message_start(msg_id, model_name, 0, n)
-                    started = True
-                while True:
-                    item = pending.pop(0) if pending else await _next(job, config.ping_interval)
-                    if item is None:
-                        yield protocol.PING
-                        continue
-                    kind, payload = item
-                    if kind == "decided":
-                        if not started:
-                            decision, prefill_n = payload
-                            yield protocol.message_start(
-                                msg_id, model_name, decision.cached, prefill_n
-                            )
-                            started = True
-                    elif kind in ("progress", "queued"):
-                        yield protocol.PING
-                    elif kind == "event":
-                        for frame in projector.feed(payload):
-                            yield frame
-                    elif kind == "done":
-                        finished = True
-                        if not started:
-                            yield protocol.message_start(
-                                msg_id, model_name, payload.cached, payload.prefilled
-                            )
-                        for frame in projector.finish():
-                            yield frame
-                        for frame in protocol.message_end(payload):
-                            yield frame
-                        return
-                    elif kind == "error":
-                        finished = True
-                        err = payload
-                        metrics.rejected(_status(err))
-                        if isinstance(err, EngineError):
-                            yield protocol.error_event(err.error_type, err.message)
-                        else:
-                            yield protocol.error_event(
-                                "api_error", f"generation failed: {type(err).__name__}"
-                            )
-                        return
-            finally:
-                if not finished:  # the client went away (or the stream broke): stop work
-                    job.cancel.set()
-
-        return _sse(frames())
-
     app.worker = worker  # type: ignore[attr-defined]
     app.metrics = metrics  # type: ignore[attr-defined]  # held here: the worker's is weak
     app.server_config = config  # type: ignore[attr-defined]
@@ -463,6 +401,13 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
 
 def _client_error(err: RequestError | EngineError) -> Response:
     return _err(err.status, err.message, err.error_type, getattr(err, "param", None))
+
+
+def _failure(err: Exception) -> tuple[str, str]:
+    """(message, error type) of a failure after a stream started."""
+    if isinstance(err, EngineError):
+        return err.message, err.error_type
+    return f"generation failed: {type(err).__name__}", "api_error"
 
 
 def _status(err: Exception) -> int:

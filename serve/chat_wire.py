@@ -20,7 +20,7 @@ from typing import Any
 
 from ds4jax.chat.dsml_parse import TextDelta, ThinkingDelta, ToolInputDelta, ToolUseStart
 from ds4jax.decoding import Result, TokenLogprob, ToolCallStarted
-from serve.responses_wire import arguments_json
+from serve.responses_wire import KEEPALIVE, arguments_json
 
 FINISH = {
     "end_turn": "stop",
@@ -86,7 +86,6 @@ def data(obj: dict[str, Any] | str) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
-KEEPALIVE = b": keepalive\n\n"
 DONE = data("[DONE]")
 
 
@@ -100,6 +99,7 @@ class ChatStream:
     call_slot: dict[int, int] = field(default_factory=dict)  # call index → tool_calls index
     #: token entries not yet sent: they ride on the next chunk
     pending: list[TokenLogprob] = field(default_factory=list)
+    keepalive: bytes = KEEPALIVE
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
         logprobs = logprobs_of(self.pending) if self.pending else None
@@ -109,8 +109,11 @@ class ChatStream:
                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
                                   "logprobs": logprobs}]})  # fmt: skip
 
-    def start(self) -> list[bytes]:
+    def start(self, queued: bool = False, prompt_tokens: int = 0) -> list[bytes]:
         return [self._chunk({"role": "assistant", "content": ""})]
+
+    def decided(self, cached: int, prefilled: int) -> list[bytes]:
+        return []  # the usage is the final chunk's
 
     def feed(self, ev: Any) -> list[bytes]:
         if isinstance(ev, TokenLogprob):
@@ -139,5 +142,5 @@ class ChatStream:
                              "usage": usage(result)}))  # fmt: skip
         return [*out, DONE]
 
-    def fail(self, message: str) -> list[bytes]:
+    def fail(self, message: str, error_type: str = "server_error") -> list[bytes]:
         return [data({"error": {"message": message, "type": "server_error"}}), DONE]

@@ -206,3 +206,39 @@ PING = sse("ping", {"type": "ping"})
 
 def error_event(error_type: str, message: str) -> bytes:
     return sse("error", error_body(error_type, message))
+
+
+@dataclass
+class AnthropicStream:
+    """The Anthropic wire writer of the one stream loop (`serve.app`): `message_start` as
+    soon as the usage is known — at the decision, or at once (provisional: the whole prompt)
+    for a request still queued — then the projected content blocks, `message_delta` and
+    `message_stop`; a failure is an `error` event."""
+
+    msg_id: str
+    model: str
+    keepalive: bytes = PING
+    projector: StreamProjector = field(default_factory=StreamProjector)
+    started: bool = False
+
+    def _open(self, cached: int, prefilled: int) -> list[bytes]:
+        if self.started:
+            return []
+        self.started = True
+        return [message_start(self.msg_id, self.model, cached, prefilled)]
+
+    def start(self, queued: bool, prompt_tokens: int) -> list[bytes]:
+        return self._open(0, prompt_tokens) if queued else []
+
+    def decided(self, cached: int, prefilled: int) -> list[bytes]:
+        return self._open(cached, prefilled)
+
+    def feed(self, ev: Any) -> list[bytes]:
+        return self.projector.feed(ev)
+
+    def finish(self, result: Result) -> list[bytes]:
+        opened = self._open(result.cached, result.prefilled)
+        return [*opened, *self.projector.finish(), *message_end(result)]
+
+    def fail(self, message: str, error_type: str) -> list[bytes]:
+        return [error_event(error_type, message)]

@@ -159,6 +159,7 @@ class ResponsesStream:
     open: dict[str, Any] | None = None  # the item being streamed
     text: str = ""  # its text so far (reasoning, message text or call arguments)
     call_ids: dict[int, str] = field(default_factory=dict)
+    keepalive: bytes = KEEPALIVE
 
     def _ev(self, kind: str, **data: Any) -> bytes:
         self.seq += 1
@@ -167,7 +168,7 @@ class ResponsesStream:
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.open["id"], "output_index": len(self.done_items)}
 
-    def start(self) -> list[bytes]:
+    def start(self, queued: bool = False, prompt_tokens: int = 0) -> list[bytes]:
         obj = response_object(self.rid, self.req, "in_progress", [], None, self.created)
         return [self._ev("response.created", response=obj),
                 self._ev("response.in_progress", response=obj)]  # fmt: skip
@@ -289,7 +290,10 @@ class ResponsesStream:
         kind = "response.completed" if status == "completed" else "response.incomplete"
         return [*out, self._ev(kind, response=obj)]
 
-    def fail(self, message: str) -> list[bytes]:
+    def decided(self, cached: int, prefilled: int) -> list[bytes]:
+        return []  # the usage is in the final object only
+
+    def fail(self, message: str, error_type: str = "server_error") -> list[bytes]:
         err = {"code": "server_error", "message": message}
         obj = response_object(self.rid, self.req, "failed", self.done_items, None, self.created,
                               error=err)  # fmt: skip
