@@ -26,6 +26,7 @@ from quart import Quart, Response, g, request
 from ds4jax.chat.anthropic import MessagesRequest, parse_messages_request
 from ds4jax.chat.chat_completions import parse_chat_request
 from ds4jax.chat.errors import RequestError, field_error
+from ds4jax.chat.kinds import Api
 from ds4jax.chat.render import render
 from ds4jax.chat.responses import parse_responses_request
 from ds4jax.continuation.evidence import attach_tool_memory
@@ -206,7 +207,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
         n = len(engine.tokenizer.encode_segments(render(req.conversation)))
         return Response(json.dumps({"input_tokens": n}), content_type="application/json")
 
-    def _submit(body: Any, req: MessagesRequest, api: str, hint: str | None) -> Job | Response:
+    def _submit(body: Any, req: MessagesRequest, api: Api, hint: str | None) -> Job | Response:
         """Prepare (the decision's evidence, the 400s it finds) and queue a validated,
         converted request: its job, or the error response."""
         try:
@@ -257,7 +258,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
         if isinstance(parsed, Response):
             return parsed
         body, req = parsed
-        job = _submit(body, req, "anthropic", request.headers.get("x-session-id") or None)
+        job = _submit(body, req, Api.ANTHROPIC, request.headers.get("x-session-id") or None)
         if isinstance(job, Response):
             return job
         msg_id = protocol.new_message_id()
@@ -274,7 +275,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
             return parsed
         body, rreq = parsed
         hint = request.headers.get("session-id") or request.headers.get("x-session-id")
-        job = _submit(body, rreq.request, "responses", hint or None)
+        job = _submit(body, rreq.request, Api.RESPONSES, hint or None)
         if isinstance(job, Response):
             return job
         rid = responses_wire.new_id("resp_")
@@ -292,7 +293,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
             return parsed
         body, creq = parsed
         hint = request.headers.get("session-id") or request.headers.get("x-session-id")
-        job = _submit(body, creq.request, "chat", hint or None)
+        job = _submit(body, creq.request, Api.CHAT, hint or None)
         if isinstance(job, Response):
             return job
         cid, model_name = chat_wire.new_completion_id(), creq.request.model

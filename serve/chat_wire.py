@@ -19,15 +19,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ds4jax.chat.dsml_parse import TextDelta, ThinkingDelta, ToolInputDelta, ToolUseStart
+from ds4jax.chat.kinds import Finish
 from ds4jax.decoding import Result, TokenLogprob, ToolCallStarted
 from serve.responses_wire import KEEPALIVE, arguments_json
 
 FINISH = {
-    "end_turn": "stop",
-    "stop_sequence": "stop",
-    "cancelled": "stop",
-    "max_tokens": "length",
-    "tool_use": "tool_calls",
+    Finish.END_TURN: "stop",
+    Finish.STOP_SEQUENCE: "stop",
+    Finish.CANCELLED: "stop",
+    Finish.MAX_TOKENS: "length",
+    Finish.TOOL_USE: "tool_calls",
 }
 
 

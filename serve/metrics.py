@@ -25,6 +25,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ds4jax.chat.kinds import Api, Finish
 from ds4jax.continuation.types import CacheSource, Decision
 from ds4jax.decoding import Result
 from serve.worker import Cancelled
@@ -45,8 +46,8 @@ SOURCE_LABELS = {
     CacheSource.COLD: "cold",
 }
 #: the `api` label: the engine's protocol names as operators know the endpoints
-API_LABELS = {"anthropic": "messages", "responses": "responses", "chat": "chat"}
-FINISH_REASONS = ("end_turn", "max_tokens", "stop_sequence", "tool_use", "cancelled")
+API_LABELS = {Api.ANTHROPIC: "messages", Api.RESPONSES: "responses", Api.CHAT: "chat"}
+FINISH_REASONS = tuple(Finish)
 
 # vLLM's buckets, with finer ones at the low end: a tiny model on a CPU answers in ms
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -170,7 +171,7 @@ class ServerMetrics:
         counted by `rejected`, in the app)."""
         if isinstance(result, Exception):
             if isinstance(result, Cancelled):  # its client left while it was queued
-                self.requests.labels(self.model_name, _api(job), "cancelled").inc()
+                self.requests.labels(self.model_name, _api(job), Finish.CANCELLED).inc()
             return
         assert isinstance(result, Result)
         self.requests.labels(self.model_name, _api(job), result.finish).inc()

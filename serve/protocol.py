@@ -22,16 +22,17 @@ from ds4jax.chat.dsml_parse import (
     ToolUseStop,
 )
 from ds4jax.chat.ids import new_tool_id
+from ds4jax.chat.kinds import Finish
 from ds4jax.engine import Result, ToolCallStarted
 
 SIGNATURE = "ds4jax"  # thinking blocks need a signature; clients send it back unchanged
 
 STOP_REASONS = {
-    "end_turn": "end_turn",
-    "max_tokens": "max_tokens",
-    "stop_sequence": "stop_sequence",
-    "tool_use": "tool_use",
-    "cancelled": "end_turn",
+    Finish.END_TURN: "end_turn",
+    Finish.MAX_TOKENS: "max_tokens",
+    Finish.STOP_SEQUENCE: "stop_sequence",
+    Finish.TOOL_USE: "tool_use",
+    Finish.CANCELLED: "end_turn",
 }
 
 

@@ -25,6 +25,7 @@ from ds4jax.chat.dsml_parse import (
     ToolUseStart,
     ToolUseStop,
 )
+from ds4jax.chat.kinds import Finish
 from ds4jax.chat.responses import ResponsesRequest
 from ds4jax.decoding import Result, ToolCallStarted
 
@@ -80,7 +81,7 @@ def response_object(
 
 
 def status_of(result: Result) -> str:
-    return "incomplete" if result.finish == "max_tokens" else "completed"
+    return "incomplete" if result.finish == Finish.MAX_TOKENS else "completed"
 
 
 @dataclass

@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Callable, Collection
 
 from ds4jax.chat.conversation import Conversation, Message
+from ds4jax.chat.kinds import Api
 from ds4jax.chat.render import render
 from ds4jax.chat.segments import Segment, normalize, strip_prefix
 from ds4jax.continuation.types import unknown_id_message
@@ -19,7 +20,7 @@ from ds4jax.continuation.types import unknown_id_message
 class UnknownToolResult(ValueError):
     """A tool_result id that is neither live nor backed by a replayed tool_use (400)."""
 
-    def __init__(self, tool_use_id: str, api: str = "anthropic") -> None:
+    def __init__(self, tool_use_id: str, api: str = Api.ANTHROPIC) -> None:
         super().__init__(unknown_id_message(tool_use_id, api))
         self.tool_use_id = tool_use_id
 
@@ -29,7 +30,7 @@ def _result_ids(m: Message) -> list[str]:
 
 
 def validate_tool_results(
-    conv: Conversation, live_ids: Collection[str], api: str = "anthropic"
+    conv: Conversation, live_ids: Collection[str], api: str = Api.ANTHROPIC
 ) -> bool:
     """Check every tool_result in the history; returns whether the request requires the live
     state (some id is known only live, with no replayed tool_use before it)."""

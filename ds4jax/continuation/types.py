@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from ds4jax.chat.kinds import Api
 from ds4jax.chat.segments import Segment
 
 
@@ -34,20 +35,20 @@ ORDER = [
 #: Per protocol (`RequestView.api`): how its errors name it, its tool ids and its history.
 #: The Anthropic and Responses wordings are ds4's, to the byte.
 APIS = {
-    "anthropic": ("Anthropic", "tool_use_id", "messages"),
-    "responses": ("Responses", "call_id", "input"),
-    "chat": ("Chat Completions", "tool_call_id", "messages"),
+    Api.ANTHROPIC: ("Anthropic", "tool_use_id", "messages"),
+    Api.RESPONSES: ("Responses", "call_id", "input"),
+    Api.CHAT: ("Chat Completions", "tool_call_id", "messages"),
 }
 
 
-def live_gone_message(api: str = "anthropic") -> str:
+def live_gone_message(api: str = Api.ANTHROPIC) -> str:
     name, _, history = APIS[api]
     return (
         f"{name} continuation state is not available; retry by replaying the full {history} history"
     )
 
 
-def unknown_id_message(tool_use_id: str, api: str = "anthropic") -> str:
+def unknown_id_message(tool_use_id: str, api: str = Api.ANTHROPIC) -> str:
     name, id_name, history = APIS[api]
     return (
         f"{name} continuation state is not available for {id_name} {tool_use_id}; "
@@ -55,15 +56,15 @@ def unknown_id_message(tool_use_id: str, api: str = "anthropic") -> str:
     )
 
 
-LIVE_GONE_MESSAGE = live_gone_message("anthropic")
+LIVE_GONE_MESSAGE = live_gone_message(Api.ANTHROPIC)
 
 
-def source_label(source: CacheSource, api: str = "anthropic") -> str:
+def source_label(source: CacheSource, api: str = Api.ANTHROPIC) -> str:
     """The name a decision is counted and logged under: the protocol-specific live paths are
     told apart (`responses-tool-output`, `chat-visible`, …), as ds4's trace does."""
     if source == CacheSource.LIVE_TOOL:
         return f"{api}-tool-output"
-    if source == CacheSource.THINKING_VISIBLE and api != "anthropic":
+    if source == CacheSource.THINKING_VISIBLE and api != Api.ANTHROPIC:
         return f"{api}-visible"
     return source.value
 
@@ -109,7 +110,7 @@ class RequestView:
     tail_ids: tuple[str, ...] = ()  # ids of the trailing tool_result run
     tail: tuple[Segment, ...] | None = None  # render of that run, after the assistant's EOS
     requires_live: bool = False  # some tool_result id has no replayed tool_use
-    api: str = "anthropic"  # the protocol: the wording of its errors (`APIS`)
+    api: str = Api.ANTHROPIC  # the protocol: the wording of its errors (`APIS`)
 
 
 @dataclass(frozen=True)

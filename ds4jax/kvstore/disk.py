@@ -77,7 +77,7 @@ from ds4jax.config import Config
 from ds4jax.kvstore import policy
 from ds4jax.kvstore.fingerprint import model_fingerprint
 from ds4jax.kvstore.payload import crc_pool, digest, manifest, pack, payload_bytes, unpack
-from ds4jax.kvstore.store import DiskHit, ToolEntries
+from ds4jax.kvstore.store import DiskHit, SaveReason, ToolEntries
 from ds4jax.model.state import DecodeState, span_for, spans, window
 
 log = logging.getLogger("ds4jax.kvstore")
@@ -87,7 +87,7 @@ log = logging.getLogger("ds4jax.kvstore")
 #: a log line, never misread
 FORMAT = "ds4jax-kv/4"
 KEY_TOKEN_TEXT = "token-text"
-REASONS = ("cold", "continued", "evict", "shutdown")
+REASONS = tuple(SaveReason)
 TMP_PREFIX = ".tmp-"
 META, USAGE, STATE = "meta.json", "usage.json", "state"
 #: Orbax's own metadata files, added to the payload bytes when estimating a checkpoint
@@ -403,10 +403,10 @@ class DiskStore:
         self.reasons = frozenset(
             r
             for r, on in (
-                ("cold", self.cold_max_tokens > 0),
-                ("continued", self.continued_every > 0),
-                ("evict", evict),
-                ("shutdown", shutdown),
+                (SaveReason.COLD, self.cold_max_tokens > 0),
+                (SaveReason.CONTINUED, self.continued_every > 0),
+                (SaveReason.EVICT, evict),
+                (SaveReason.SHUTDOWN, shutdown),
             )
             if on
         )
@@ -578,7 +578,7 @@ class DiskStore:
         2048 when that is at least `min_tokens`; else the whole prompt (`len(tokens)`, saved
         after the prefill). None outside `min_tokens ≤ len ≤ cold_max_tokens`."""
         n = len(tokens)
-        if "cold" not in self.reasons or not self.min_tokens <= n <= self.cold_max_tokens:
+        if SaveReason.COLD not in self.reasons or not self.min_tokens <= n <= self.cold_max_tokens:
             return None
         if self._user_id is not None and self._assistant_id is not None:
             anchor = policy.chat_anchor(tokens, self._user_id, self._assistant_id, self.min_tokens)

@@ -18,9 +18,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Protocol
 
 from ds4jax.chat.segments import Segment
+
+
+class SaveReason(StrEnum):
+    """Why a checkpoint was written (ds4's reasons; each can be switched off)."""
+
+    COLD = "cold"  # at the cold save point of a cold prefill
+    CONTINUED = "continued"  # at a multiple of the continued interval
+    EVICT = "evict"  # before a miss replaces a live frontier
+    SHUTDOWN = "shutdown"  # on a clean exit
 
 
 @dataclass(frozen=True)
