@@ -18,7 +18,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ds4jax.chat import specials
 from ds4jax.chat.dsml_parse import (
@@ -30,13 +30,18 @@ from ds4jax.chat.dsml_parse import (
     find_stop,
     stop_safe_len,
 )
+from ds4jax.chat.ids import id_stream, new_tool_id
 from ds4jax.chat.segments import Segment, normalize, template
-from ds4jax.continuation.tool_memory import id_stream, new_tool_id
 from ds4jax.continuation.types import CacheSource, LiveFrontier, ThinkingBinding, ToolBinding
 
+# names for annotations only: at run time `ds4jax.engine.requests` would load the engine
+# package, which imports this module
 if TYPE_CHECKING:
+    import threading
+
     from ds4jax.chat.tokenizer import Tokenizer
-    from ds4jax.engine import Engine, Prepared
+    from ds4jax.continuation.tool_memory import ToolMemory
+    from ds4jax.engine.requests import Prepared
 
 SAMPLE = -1  # `plan`: no forced token, the row samples
 ID_PREFIXES = {"anthropic": "toolu_"}  # the OpenAI protocols: `call_`
@@ -103,6 +108,22 @@ class Result:
         return self.cached + self.prefilled
 
 
+class RowOwner(Protocol):
+    """What a row asks of the engine that steps it (`ds4jax.engine.Engine` is one): a
+    protocol, so decoding stays below the engine — it names the engine's request types
+    (`ds4jax.engine.requests`), never the engine."""
+
+    tokenizer: Tokenizer
+    max_len: int
+    tool_memory: ToolMemory
+    #: held while `finish` writes the session's frontier and bindings
+    _state_lock: threading.Lock
+
+    def live_tool_ids(self) -> frozenset[str]: ...
+
+    def segments_of(self, tokens: Sequence[int]) -> list[Segment]: ...
+
+
 def _tool_ids_complete(message: ParsedMessage) -> bool:
     calls = message.tool_calls
     return bool(calls) and message.error is None and all(c.complete for c in calls)
@@ -111,7 +132,7 @@ def _tool_ids_complete(message: ParsedMessage) -> bool:
 class RowDecoder:
     def __init__(
         self,
-        engine: Engine,
+        engine: RowOwner,
         prepared: Prepared,
         session: Any,
         tokens: list[int],

@@ -37,7 +37,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ds4jax.engine import Engine, EngineError, Prepared, Ticket
+from ds4jax.engine import Engine, EngineError, Prepared
+from ds4jax.engine.ticket import Ticket
 from ds4jax.kvstore import policy
 from ds4jax.kvstore.disk import KVStoreError
 from ds4jax.kvstore.store import DiskHit

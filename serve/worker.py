@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ds4jax.continuation.types import Decision
-from ds4jax.engine import Engine, Prepared, Ticket
+from ds4jax.engine import Engine, Prepared
+from ds4jax.engine.ticket import Ticket
 
 log = logging.getLogger("ds4jax.serve")
 

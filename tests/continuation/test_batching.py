@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from ds4jax.chat.anthropic import parse_messages_request
 from ds4jax.continuation.types import CacheSource
-from ds4jax.engine import Engine, SamplingParams, Ticket
+from ds4jax.engine import Engine, SamplingParams
+from ds4jax.engine.ticket import Ticket
 from ds4jax.interleave import chunk_limit
 from tests.continuation.conftest import TOOLS, forced, tool_call_text
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from ds4jax.engine import PAGED_START
+from ds4jax.engine.paging import PAGED_START
 from ds4jax.model.pages import page_bytes
 from serve.main import add_arguments, build_engine, default_state_dtype, default_state_memory
 

@@ -1,0 +1,286 @@
+"""The scheduler's step: which rows step, and the batched program that steps them.
+
+`tick` admits, prefills, and steps every active row in one batched program
+(`model.batch.step`, or `paged_step` over the page pool) with per-row sampling, forcing and
+stop conditions (`decoding.RowDecoder`); under `stall_bound` a prompt's next chunk rides in
+the step (`interleave`). Rows join and leave at step boundaries: a finished row leaves as
+its session's frontier and the batch shrinks with its longest row. `Stepping` is a part of
+`Engine`, which makes and owns the batch, the rows and their keys (`core`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ds4jax.decoding import token_logprob
+from ds4jax.engine.admission import next_chunk
+from ds4jax.engine.placement import on_mesh
+from ds4jax.engine.ticket import Ticket
+from ds4jax.interleave import chunk_limit
+from ds4jax.model import batch as batch_ops
+from ds4jax.model.forward import prefill
+from ds4jax.model.sharding import fetch
+
+
+def sampling_arrays(size: int) -> tuple[np.ndarray, ...]:
+    """A step's per-row (temperature, top_k, top_p, min_p), each off."""
+    return (
+        np.zeros(size, np.float32),
+        np.zeros(size, np.int32),
+        np.ones(size, np.float32),
+        np.zeros(size, np.float32),
+    )
+
+
+def sampling_row(arrays: tuple[np.ndarray, ...], row: int, ticket: Ticket, vocab_size: int) -> None:
+    """Fill `row` of `sampling_arrays` with its request's sampling."""
+    sp = ticket.prepared.sampling
+    temperature, top_k, top_p, min_p = arrays
+    temperature[row], top_k[row], top_p[row], min_p[row] = (
+        sp.temperature,
+        min(sp.top_k, vocab_size),  # past the vocabulary: all of it, as off
+        sp.top_p,
+        sp.min_p,
+    )
+
+
+class Stepping:
+    """The scheduler's tick, the batched decode step, and rows leaving the batch."""
+
+    @property
+    def busy(self) -> bool:
+        """Requests waiting, prefilling or decoding."""
+        return bool(self.waiting or self._prefilling is not None or any(self._rows))
+
+    @property
+    def rows_active(self) -> int:
+        """Rows of the decode batch serving a request now."""
+        return sum(t is not None for t in self._rows)
+
+    def tick(self, limit: int | None = None) -> None:
+        """One scheduler step: admit the oldest waiting request if a row is free, evaluate
+        the next chunk of the prompt being prefilled, and step every active row. Requests
+        join and leave at step boundaries.
+
+        With `stall_bound`, while rows decode the chunk rides inside their step (a mixed
+        step, `model.batch.step`'s `chunk`) and is at most `limit` tokens — by default
+        `chunk_limit()`, from the costs measured here — so a long prompt does not stall the
+        decoding streams; a batch size whose plain step was not measured yet steps plain
+        first. Otherwise the chunk is a program of its own before the step, in whole chunks
+        (`limit`: the largest size). A group's followers are handed the leader's `limit`."""
+        with self._lock:
+            if self._prefilling is None:
+                self._admit()
+            size = self._step_size()
+            if limit is None:
+                limit = self.chunk_limit()
+            ticket = self._prefilling
+            if ticket is not None and not (size and self.stall_bound):
+                self._prefill_chunk(ticket, limit)
+                ticket = None
+            elif ticket is not None and size not in self.tick_costs.step_s:
+                ticket = None  # this tick measures the plain step
+            if not any(self._rows):
+                return
+            t0 = time.perf_counter()
+            stepped, chunk = self._decode_step(ticket, limit)
+            took = time.perf_counter() - t0
+            if not stepped:
+                if ticket is not None:  # every row ended before stepping
+                    self._prefill_chunk(ticket, limit)
+            elif chunk:
+                self.tick_costs = self.tick_costs.chunked(
+                    chunk, took - self.tick_costs.step_s[stepped])  # fmt: skip
+                self.mixed_steps += 1
+            else:
+                self.tick_costs = self.tick_costs.stepped(stepped, took)
+
+    def chunk_limit(self) -> int:
+        """The most prompt tokens the next tick evaluates (`interleave.chunk_limit`)."""
+        return chunk_limit(self.chunk_sizes, self._step_size(), self.tick_costs,
+                           self.stall_bound)  # fmt: skip
+
+    def _step_size(self) -> int:
+        """The batch size the next decode step runs at (0: no row decodes); with data
+        shards always the whole batch, whose blocks of rows are the shards'."""
+        active = [i for i, t in enumerate(self._rows) if t is not None]
+        if active and self.shards > 1:
+            return self.max_batch
+        return batch_ops.bucket(active[-1] + 1) if active else 0
+
+    def _shard_rows(self, shard: int) -> range:
+        block = self.max_batch // self.shards
+        return range(shard * block, (shard + 1) * block)
+
+    def _free_row(self, shard: int | None = None) -> int | None:
+        """A free batch row (of `shard`'s block with data shards)."""
+        rows = range(self.max_batch) if shard is None else self._shard_rows(shard)
+        for i in rows:
+            if self._rows[i] is None:
+                return i
+        return None
+
+    def abort(self, err: Exception) -> None:
+        """Fail every request in the scheduler (after a step raised): their rows and the
+        batch are dropped; sessions keep their last completed frontiers."""
+        with self._lock:
+            tickets = [*self.waiting, *(t for t in self._rows if t is not None)]
+            if self._prefilling is not None:
+                tickets.append(self._prefilling)
+            self.waiting.clear()
+            self._prefilling = None
+            self._rows = [None] * self.max_batch
+            self._release_tables()
+            self._batch_span = self.spans[0]
+            self._batch = self._new_batch()
+        for t in tickets:
+            t.fail(err)
+
+    def _decode_step(self, filling: Ticket | None = None, limit: int = 0) -> tuple[int, int]:
+        """One batched step for every active row; finished rows leave the batch. `filling`:
+        its prompt's next chunk (at most `limit` tokens) rides in the step. With
+        speculation on, a step of few enough rows and no chunk is speculative
+        (`_speculative_step`). Returns (the step's batch size, the chunk's padded size), 0
+        for what did not run."""
+        size = self._step_size()
+        spec = self.spec
+        if (spec is not None and filling is None and 0 < self.rows_active <= self.spec_max_batch
+                and not self._logprob_rows()):  # fmt: skip
+            return self._speculative_step(size)
+        override = np.full(size, -1, np.int32)
+        sampling = sampling_arrays(size)
+        stepping, pending = [], set()
+        for row, ticket in enumerate(self._rows[:size]):
+            if ticket is None:
+                continue
+            if spec is not None and spec.pending[row] >= 0:  # decided by a speculative step
+                override[row] = spec.pending[row]
+                pending.add(row)
+            else:
+                planned = ticket.decoder.plan()
+                if planned is None:
+                    self._finish_row(row)
+                    continue
+                override[row] = planned
+            sampling_row(sampling, row, ticket, self.cfg.vocab_size)
+            stepping.append(row)
+        if not stepping:
+            return 0, 0
+        self._grow_batch(stepping, 1)
+        grid = None
+        if self.pages is not None:
+            grid = self._grid(size, stepping)
+            stepping = [r for r in stepping if self._rows[r] is not None]
+            if not stepping:
+                return 0, 0
+        chunk, nxt = None, None if filling is None else next_chunk(filling, limit, self.chunk_sizes)
+        if nxt is not None:
+            done = filling.done_tokens
+            padded = np.zeros(nxt[1], np.int32)
+            padded[: nxt[0] - done] = filling.tokens[done : nxt[0]]
+            chunk = (filling.state, padded, np.int32(nxt[0] - done))
+            self.mixed_prompt_tokens += nxt[0] - done
+        scored = self._logprob_rows(stepping)
+        self._batch, tokens, keys, prompt, scores = self._step(
+            self._batch, grid, override, self._keys[:size], *sampling, chunk=chunk,
+            logprobs=bool(scored),
+        )  # fmt: skip
+        tokens, keys = fetch(tokens), fetch(keys)
+        if scores is not None:
+            scores = tuple(fetch(x) for x in scores)
+        for row in stepping:
+            self._keys[row] = keys[row]
+            ticket = self._rows[row]
+            if spec is not None:
+                spec.stepped_plain(row)
+            if row not in pending:  # a pending token is its decoder's already
+                t = int(tokens[row])
+                entry = None
+                if row in scored:
+                    chosen, top, ids = (x[row] for x in scores)
+                    k = scored[row]
+                    entry = token_logprob(self.tokenizer, t, chosen, ids[:k], top[:k])
+                ticket.decoder.accept(t, entry)
+            if ticket.on_token is not None:
+                ticket.on_token()
+            if ticket.decoder.done:
+                self._finish_row(row)
+        if filling is not None:  # after the rows: a completed prompt takes a row
+            if nxt is None:
+                self._chunk_done(filling, filling.state, filling.done_tokens)
+            else:
+                self._chunk_done(filling, prompt, nxt[0])
+        return size, 0 if nxt is None else nxt[1]
+
+    def _logprob_rows(self, rows: Sequence[int] | None = None) -> dict[int, int]:
+        """The active rows (of `rows`) that report log-probabilities → their k."""
+        out = {}
+        for row in range(self.max_batch) if rows is None else rows:
+            ticket = self._rows[row]
+            if ticket is not None and ticket.prepared.sampling.logprobs is not None:
+                out[row] = ticket.prepared.sampling.logprobs
+        return out
+
+    def _grow_batch(self, stepping: list[int], tokens: int) -> None:
+        """The batch's span, grown when a step's `tokens` per row would pass its end."""
+        need = self._span(max(len(self._rows[r].decoder.tokens) for r in stepping) + tokens)
+        if need > self._batch_span:
+            self._resize_batch(need)
+
+    def _step(self, batch: Any, grid: np.ndarray | None, override: np.ndarray,
+              *sampling: np.ndarray, chunk: Any = None, logprobs: bool = False,
+              ) -> tuple[Any, Any, Any, Any, Any]:  # fmt: skip
+        """One batched step of `len(override)` rows: dense rows, or (`grid`: their page
+        tables) rows reading and writing the page pool; `chunk` (`model.batch.Chunk`) rides
+        along. Returns (batch, tokens, keys, the chunk's prompt state or None, with
+        `logprobs` the step's `model.batch.Logprobs` else None)."""
+        size = len(override)
+        args = (override, *sampling, np.int32(self.tokenizer.eos_id))
+        if self.pages is None:
+            with on_mesh(self.mesh):
+                out = batch_ops.step(self.params, batch, *args, chunk, cfg=self.cfg, size=size,
+                                     logprobs=logprobs)  # fmt: skip
+        else:
+            with on_mesh(self.mesh):
+                out = batch_ops.paged_step(
+                    self.params, batch, self.pages.arrays, grid, *args, chunk, cfg=self.cfg,
+                    size=size, span=self._batch_span, shards=self.shards, logprobs=logprobs,
+                )  # fmt: skip
+            self.pages.arrays = out[1]
+            out = (out[0], *out[2:])
+        batch, tokens, keys, rest = out[0], out[1], out[2], list(out[3:])
+        prompt = rest.pop(0) if chunk is not None else None
+        return batch, tokens, keys, prompt, rest.pop(0) if logprobs else None
+
+    def _prefill(self, state: Any, tokens: Sequence[int], chunk_sizes: Sequence[int]) -> Any:
+        """`state` grown by `tokens` (`forward.prefill`, on the mesh)."""
+        with on_mesh(self.mesh):
+            return prefill(self.params, state, tokens, self.cfg, chunk_sizes=chunk_sizes)[0]
+
+    def _finish_row(self, row: int) -> None:
+        ticket = self._rows[row]
+        self._rows[row] = None
+        try:
+            state = self._row_frontier(row, len(ticket.decoder.tokens))
+            result = ticket.decoder.finish(state)
+            result.source = ticket.decision.source
+            result.cached = ticket.decision.cached
+            result.prefilled = ticket.suffix_n
+            result.prefill_seconds = ticket.prefill_seconds
+            result.session = ticket.session.slot
+            result.forked_from = ticket.routed.fork.owner if ticket.routed.fork else None
+            result.restored = ticket.restored
+        except Exception as err:
+            ticket.fail(err)
+        else:
+            ticket.succeed(result)
+        finally:
+            self._enforce_budget(ticket.session.slot)
+            active = [len(t.decoder.tokens) + 1 for t in self._rows if t is not None]
+            need = self._span(max(active, default=0))
+            if need < self._batch_span:  # the longest row left: the step shrinks with it
+                self._resize_batch(need)
