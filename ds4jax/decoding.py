@@ -31,6 +31,7 @@ from ds4jax.chat.dsml_parse import (
     stop_safe_len,
 )
 from ds4jax.chat.ids import id_stream, new_tool_id
+from ds4jax.chat.kinds import Api, Finish
 from ds4jax.chat.segments import Segment, normalize, template
 from ds4jax.continuation.types import CacheSource, LiveFrontier, ThinkingBinding, ToolBinding
 
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     from ds4jax.engine.requests import Prepared
 
 SAMPLE = -1  # `plan`: no forced token, the row samples
-ID_PREFIXES = {"anthropic": "toolu_"}  # the OpenAI protocols: `call_`
+ID_PREFIXES = {Api.ANTHROPIC: "toolu_"}  # the OpenAI protocols: `call_`
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class Result:
     cached: int  # tokens reused from a stored state
     prefilled: int  # tokens evaluated for the prompt
     output_tokens: int
-    finish: str  # end_turn | max_tokens | stop_sequence | tool_use | cancelled
+    finish: Finish  # how the turn ended
     message: ParsedMessage
     tool_ids: list[str]
     stop_sequence: str | None = None
@@ -152,7 +153,7 @@ class RowDecoder:
         self.raw = ""
         self.fed = 0  # chars of `raw` given to the parser
         self.generated: list[int] = []
-        self.finish_reason: str | None = None
+        self.finish_reason: Finish | None = None
         self.stop_hit: str | None = None
         self.think_end = tok.special_id(specials.THINK_END)
         self.in_thinking = prepared.thinking
@@ -186,13 +187,13 @@ class RowDecoder:
         """Before a step: a forced token id, `SAMPLE`, or None when the row is finished."""
         p, tok = self.prepared, self.engine.tokenizer
         if len(self.generated) >= p.max_tokens:
-            self.finish_reason = "max_tokens"
+            self.finish_reason = Finish.MAX_TOKENS
             return None
         if self.cancel is not None and self.cancel.is_set():
-            self.finish_reason = "cancelled"
+            self.finish_reason = Finish.CANCELLED
             return None
         if len(self.tokens) >= self.engine.max_len:
-            self.finish_reason = "max_tokens"
+            self.finish_reason = Finish.MAX_TOKENS
             return None
         if self.pending_force is not None and not self.in_thinking:
             self.queue = tok.encode_segments(template(self.pending_force))
@@ -207,7 +208,7 @@ class RowDecoder:
             return self.think_end  # the budget is spent: close the reasoning
         if self.forced is not None:  # teacher forcing (tests) stands in for sampling only
             if self.forced_at >= len(self.forced):
-                self.finish_reason = "end_turn"
+                self.finish_reason = Finish.END_TURN
                 return None
             self.forced_at += 1
             return int(self.forced[self.forced_at - 1])
@@ -227,7 +228,7 @@ class RowDecoder:
             self.emit(logprob)
         if eos:
             self.sampled_eos = counted
-            self.finish_reason = "end_turn"  # never evaluated: the next turn's suffix has it
+            self.finish_reason = Finish.END_TURN  # never evaluated: the next turn's suffix has it
             return
         self.generated.append(t)
         self.tokens.append(t)
@@ -241,14 +242,14 @@ class RowDecoder:
             self._push(self.parser.feed(self.raw[self.fed : at]))
             self.fed = at
             self.stop_hit = self.raw[at : at + length]
-            self.finish_reason = "stop_sequence"
+            self.finish_reason = Finish.STOP_SEQUENCE
             return
         safe = stop_safe_len(self.raw, stops) if stops else len(self.raw)
         if safe > self.fed:
             self._push(self.parser.feed(self.raw[self.fed : safe]))
             self.fed = safe
         if p.has_tools and self.parser.raw_dsml is not None:
-            self.finish_reason = "tool_use"
+            self.finish_reason = Finish.TOOL_USE
             return
         if p.single_tool_call and not self.closed_single and not self.queue:
             after = self.raw.rfind(specials.THINK_END) + 1 if p.thinking else 0
@@ -260,9 +261,9 @@ class RowDecoder:
     def finish(self, state: Any) -> Result:
         """The row's final state (holding `self.tokens`) becomes its session's live frontier;
         returns the request's result (the prompt fields are the engine's to fill)."""
-        engine, p, finish = self.engine, self.prepared, self.finish_reason or "max_tokens"
+        engine, p, finish = self.engine, self.prepared, self.finish_reason or Finish.MAX_TOKENS
         raw = self.raw
-        if finish != "stop_sequence":
+        if finish != Finish.STOP_SEQUENCE:
             raw += self.utf8.decode(b"", final=True)
             if self.fed < len(raw):
                 self._push(self.parser.feed(raw[self.fed :]))
@@ -272,10 +273,12 @@ class RowDecoder:
         message = collect_events(self.events, thinking=p.thinking)
         message.raw_dsml = self.parser.raw_dsml
         message.error = self.parser.error
-        if finish not in ("stop_sequence", "cancelled", "max_tokens") and _tool_ids_complete(
-            message
-        ):
-            finish = "tool_use"
+        if finish not in (
+            Finish.STOP_SEQUENCE,
+            Finish.CANCELLED,
+            Finish.MAX_TOKENS,
+        ) and _tool_ids_complete(message):
+            finish = Finish.TOOL_USE
 
         live = LiveFrontier(
             state,
@@ -287,7 +290,7 @@ class RowDecoder:
             session.live = live
             session.bindings.tool = None
             session.bindings.thinking = None
-            if finish == "tool_use" and self.parser.raw_dsml is not None:
+            if finish == Finish.TOOL_USE and self.parser.raw_dsml is not None:
                 engine.tool_memory.remember(self.tool_ids, self.parser.raw_dsml)
                 session.bindings.tool = ToolBinding(frozenset(self.tool_ids), live.pos)
             if (
@@ -295,12 +298,12 @@ class RowDecoder:
                 and message.reasoning is not None
                 and not self.in_thinking
                 and (
-                    (finish == "end_turn" and not p.has_tools and not message.tool_calls)
-                    or (p.api != "anthropic" and finish in ("end_turn", "tool_use"))
+                    (finish == Finish.END_TURN and not p.has_tools and not message.tool_calls)
+                    or (p.api != Api.ANTHROPIC and finish in (Finish.END_TURN, Finish.TOOL_USE))
                 )
             ):
                 shown = [Segment(message.content)]
-                if finish == "tool_use" and self.parser.raw_dsml is not None:
+                if finish == Finish.TOOL_USE and self.parser.raw_dsml is not None:
                     shown += template(self.parser.raw_dsml)
                 session.bindings.thinking = ThinkingBinding(
                     visible_transcript(p.view.segments, shown, keep_think=p.has_tools), live.pos

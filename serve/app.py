@@ -31,7 +31,7 @@ from ds4jax.chat.render import render
 from ds4jax.chat.responses import parse_responses_request
 from ds4jax.continuation.evidence import attach_tool_memory
 from ds4jax.continuation.reasoning_seal import ReasoningSeal
-from ds4jax.engine import EngineError, SamplingParams
+from ds4jax.engine import SamplingParams
 from serve import chat_wire, openapi, protocol, responses_wire
 from serve.metrics import ServerMetrics
 from serve.worker import EngineWorker, Job, Overloaded
@@ -230,7 +230,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
                 req, sampling=sampling, hint=hint, api=api,
                 max_tokens=engine.max_len if req.max_tokens is None else None,
             )  # fmt: skip
-        except (RequestError, EngineError) as err:
+        except RequestError as err:  # an EngineError is one
             return _client_error(err)
         job = Job(prepared, asyncio.get_running_loop(), arrived=g.arrived)
         job.forced_tokens = app.config.get("TEST_FORCED_TOKENS_HOOK", lambda _b: None)(body)
@@ -387,8 +387,8 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
         return resp
 
     def _engine_error(err: Exception) -> Response:
-        if isinstance(err, EngineError):
-            return _err(err.status, err.message, err.error_type)
+        if isinstance(err, RequestError):
+            return _client_error(err)
         if isinstance(err, Overloaded):
             return _err(_status(err), str(err))
         log.error("request failed: %r", err)
@@ -400,20 +400,20 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
     return app
 
 
-def _client_error(err: RequestError | EngineError) -> Response:
-    return _err(err.status, err.message, err.error_type, getattr(err, "param", None))
+def _client_error(err: RequestError) -> Response:
+    return _err(err.status, err.message, err.error_type, err.param)
 
 
 def _failure(err: Exception) -> tuple[str, str]:
     """(message, error type) of a failure after a stream started."""
-    if isinstance(err, EngineError):
+    if isinstance(err, RequestError):
         return err.message, err.error_type
     return f"generation failed: {type(err).__name__}", "api_error"
 
 
 def _status(err: Exception) -> int:
     """The HTTP status an engine-side failure answers with."""
-    if isinstance(err, EngineError):
+    if isinstance(err, RequestError):
         return err.status
     return 503 if isinstance(err, Overloaded) else 500
 

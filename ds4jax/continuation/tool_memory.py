@@ -14,11 +14,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 
-# minted by the chat layer, which renders them; kept importable from here until
-# `ds4jax.decoding` (being split out of the engine) imports them from `ds4jax.chat.ids`
-from ds4jax.chat.ids import id_stream, new_tool_id
-
-__all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_IDS", "ToolMemory", "id_stream", "new_tool_id"]
+__all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_IDS", "ToolMemory"]
 
 DEFAULT_MAX_IDS = 100_000
 DEFAULT_MAX_BYTES = 512 * 1024 * 1024

@@ -23,6 +23,7 @@ import numpy as np
 
 from ds4jax.chat import specials
 from ds4jax.chat.dsml_parse import Event
+from ds4jax.chat.kinds import Api
 from ds4jax.chat.segments import Segment, normalize
 from ds4jax.continuation.pool import Route, route
 from ds4jax.continuation.types import CacheSource, Decision, LiveFrontier, Rejection, source_label
@@ -31,7 +32,7 @@ from ds4jax.engine.placement import place_state
 from ds4jax.engine.requests import EngineError, Prepared
 from ds4jax.engine.ticket import Ticket
 from ds4jax.kvstore.host import HostState
-from ds4jax.kvstore.store import KVStore
+from ds4jax.kvstore.store import KVStore, SaveReason
 from ds4jax.model import batch as batch_ops
 from ds4jax.model.forward import plan_chunks
 from ds4jax.model.page_io import PagedFrontier
@@ -55,16 +56,16 @@ def save_points(
     every = store.continued_every
     if every:
         first = (decision.cached // every + 1) * every
-        points |= dict.fromkeys(range(first, len(tokens), every), "continued")
+        points |= dict.fromkeys(range(first, len(tokens), every), SaveReason.CONTINUED)
     if decision.source == CacheSource.COLD:
         cut = store.cold_cut(tuple(tokens), normalize(segments_of(tokens)))
         if cut:
-            points[cut] = "cold"
+            points[cut] = SaveReason.COLD
     # a short prompt's cold point is its end: saved whole, after the prefill
     return {
         p: r
         for p, r in points.items()
-        if decision.cached < p < len(tokens) or (r == "cold" and p == len(tokens))
+        if decision.cached < p < len(tokens) or (r == SaveReason.COLD and p == len(tokens))
     }
 
 
@@ -202,7 +203,7 @@ class Admission:
         base_state = self._fit(base_state, len(tokens))
         api = prepared.api
         live_match = {CacheSource.LIVE_TOOL: "tool-output-ids"}
-        if api != "anthropic":
+        if api != Api.ANTHROPIC:
             live_match[CacheSource.THINKING_VISIBLE] = "visible-prefix"
         if decision.source in live_match:
             log.info(
@@ -232,7 +233,7 @@ class Admission:
         # first, so a client that comes back to that conversation finds it (ds4's "evict")
         displaced = routed.displaced
         if displaced is not None and displaced.pos:
-            self._save(displaced.tokens, displaced.state, "evict")
+            self._save(displaced.tokens, displaced.state, SaveReason.EVICT)
 
         ticket.routed, ticket.decision, ticket.session = routed, decision, session
         ticket.tokens, ticket.suffix_n, ticket.base_segments = tokens, len(suffix), base_segments

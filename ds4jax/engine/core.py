@@ -20,6 +20,7 @@ import numpy as np
 from ds4jax.chat import specials
 from ds4jax.chat.anthropic import MessagesRequest
 from ds4jax.chat.conversation import Conversation
+from ds4jax.chat.kinds import Api
 from ds4jax.chat.segments import Segment
 from ds4jax.chat.tokenizer import Tokenizer
 from ds4jax.config import Config
@@ -172,7 +173,7 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
         thinking_budget: int | None = None,
         tool_choice: dict[str, Any] | None = None,
         hint: str | None = None,
-        api: str = "anthropic",
+        api: str = Api.ANTHROPIC,
     ) -> Prepared:
         """Validation and rendering, before queueing. Raises EngineError(400) for a
         tool_result that is neither live nor backed by a replayed tool_use, a prompt that
@@ -200,7 +201,7 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
         max_tokens: int | None = None,
         sampling: SamplingParams | None = None,
         hint: str | None = None,
-        api: str = "anthropic",
+        api: str = Api.ANTHROPIC,
     ) -> Prepared:
         """`prepare` for a parsed Messages request (or an OpenAI one converted to it, `api`):
         its stop sequences, thinking budget and tool_choice; tools count when the rendered

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ds4jax.chat.conversation import Conversation
+from ds4jax.chat.kinds import Api
 from ds4jax.chat.render import render
 from ds4jax.chat.segments import Segment, normalize
 from ds4jax.chat.tokenizer import Tokenizer
@@ -37,7 +38,7 @@ def prepare(
     thinking_budget: int | None = None,
     tool_choice: dict[str, Any] | None = None,
     hint: str | None = None,
-    api: str = "anthropic",
+    api: str = Api.ANTHROPIC,
 ) -> Prepared:
     """`Engine.prepare`, given the engine's tokenizer, context (`max_len`), tool memory and
     its live tool ids (asked for only once the log-probabilities passed: they take the

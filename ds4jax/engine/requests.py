@@ -11,17 +11,18 @@ import secrets
 from dataclasses import dataclass, field
 
 from ds4jax.chat.conversation import Conversation
+from ds4jax.chat.errors import RequestError
+from ds4jax.chat.kinds import Api
 from ds4jax.continuation.types import RequestView
 
 
-class EngineError(RuntimeError):
-    """A request the engine refuses; `status` is the HTTP status it maps to."""
+class EngineError(RequestError):
+    """A request the engine refuses (a 400 it finds preparing, a 409 when the live state moved,
+    a 503/529 under pressure): the one client-error type, so each API renders it in its own
+    shape as it does a body's `RequestError`; `status` is the HTTP status it maps to."""
 
     def __init__(self, status: int, message: str, error_type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.error_type = error_type
+        super().__init__(message, status=status, error_type=error_type)
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class Prepared:
     hint: str | None = None
     #: the protocol (`continuation.types.APIS`): its error wording, tool-id prefix, log
     #: lines, and whether tool turns leave a visible-transcript binding
-    api: str = "anthropic"
+    api: str = Api.ANTHROPIC
     #: a per-request secret: its tool ids (`tool_memory.id_stream`) and, unseeded, its
     #: sampling key derive from it, so every process handed the request agrees on both
     nonce: bytes = field(default_factory=lambda: secrets.token_bytes(16))

@@ -27,7 +27,7 @@ from ds4jax.continuation.types import Bindings, Decision, LiveFrontier, Rejectio
 from ds4jax.engine.requests import EngineError, Prepared
 from ds4jax.kvstore.host import HostState, to_host
 from ds4jax.kvstore.pages import pages_for
-from ds4jax.kvstore.store import NoStore
+from ds4jax.kvstore.store import NoStore, SaveReason
 from ds4jax.model.state import capacity_bytes
 
 #: one logger for the whole engine, so its lines keep the name they always had
@@ -99,7 +99,7 @@ class Sessions:
         for frontier in dropped:
             if frontier is not None and frontier.pos:
                 log.info("evict %d tokens (state budget)", frontier.pos)
-                self._save(frontier.tokens, frontier.state, "evict")
+                self._save(frontier.tokens, frontier.state, SaveReason.EVICT)
         return True
 
     def _to_host(self, session: Session, keep: set[int], dropped: list[Any]) -> bool:
@@ -168,7 +168,7 @@ class Sessions:
             order = sorted(self.pool.sessions, key=lambda s: -s.used)
             for live in (s.live for s in order):
                 if live is not None and live.pos:
-                    self._save(live.tokens, live.state, "shutdown")
+                    self._save(live.tokens, live.state, SaveReason.SHUTDOWN)
         flush = getattr(self.store, "flush", None)
         if flush is not None:  # every save asked for, written before the process exits
             flush()
