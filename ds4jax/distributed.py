@@ -40,7 +40,7 @@ import numpy as np
 from ds4jax.engine import Engine, EngineError, Prepared
 from ds4jax.engine.ticket import Ticket
 from ds4jax.kvstore import policy
-from ds4jax.kvstore.disk import KVStoreError
+from ds4jax.kvstore.checkpoint import KVStoreError
 from ds4jax.kvstore.store import DiskHit
 from ds4jax.model.state import init_state, span_for, spans
 

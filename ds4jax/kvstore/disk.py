@@ -1,21 +1,8 @@
 """`DiskStore`: decode-state checkpoints on disk, written with Orbax, found by the longest
-rendered-text prefix (ds4's disk KV cache, spec ds4-server-behaviour.md §4).
-
-Layout (`directory` is created 0700; one directory per checkpoint)::
-
-    DIR/<sha1 of the rendered text>/     40 lowercase hex (uppercase accepted on read)
-        state/       Orbax tree of one byte array, `payload` (zarr3, 16 MiB chunks, no
-                     compression): the arrays `logits` [vocab] and `l{i}_{field}` per
-                     layer, live rows only (payload.py), laid end to end in name order
-                     (64-byte aligned); rebuilt into `init_state(cfg, max_len)` on load
-        meta.json    format, sha1, key kind, save reason, created, model fingerprint,
-                     token ids, rendered text as segments (text + special flag), sliding
-                     window, array manifest, payload CRC-32 (token ids + each array's
-                     CRC-32), the Orbax files with their sizes and the CRC-32 of each
-                     16 MiB piece, tool entries, and `meta_sha1` over all of it
-        usage.json   hits and last use (rewritten by tmp file + rename on every hit)
-    DIR/.tmp-<sha1>-<pid>-<hex>/         a save in progress (or a deletion); removed at
-                                         startup, never read
+rendered-text prefix (ds4's disk KV cache, spec ds4-server-behaviour.md §4). What one
+checkpoint's files are and how they are checked is `checkpoint` (the layout is described
+there), the store's view of its directory `index`; here is what the store decides: what to
+look up, load, save and evict, and what it promises about each.
 
 Atomicity: a checkpoint is assembled complete in a `.tmp-…` directory (Orbax commits
 `state/` there with its own tmp dir + rename) and renamed onto `DIR/<sha1>` as its last step,
@@ -53,305 +40,52 @@ lock the same way).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
-import re
 import secrets
 import shutil
 import threading
 import time
-import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import jax.numpy as jnp
-import numpy as np
 
 from ds4jax.chat import specials
 from ds4jax.chat.segments import Segment, join, normalize, strip_prefix
 from ds4jax.config import Config
 from ds4jax.kvstore import policy
+from ds4jax.kvstore.checkpoint import (
+    FORMAT,
+    KEY_TOKEN_TEXT,
+    META,
+    ORBAX_OVERHEAD,
+    STATE,
+    TMP_PREFIX,
+    USAGE,
+    KVStoreError,
+    _canonical,
+    _dir_bytes,
+    _file_manifest,
+    _meta_digest,
+    _read_payload,
+    _verify_files,
+    _write_json,
+    _write_payload,
+    read_meta,
+    sha1_hex,
+)
 from ds4jax.kvstore.fingerprint import model_fingerprint
-from ds4jax.kvstore.payload import crc_pool, digest, manifest, pack, payload_bytes, unpack
+from ds4jax.kvstore.index import Entry, Index
+from ds4jax.kvstore.payload import digest, manifest, pack, payload_bytes, unpack
 from ds4jax.kvstore.store import DiskHit, SaveReason, ToolEntries
+from ds4jax.kvstore.tool_entries import tool_entries_in
 from ds4jax.model.state import DecodeState, span_for, spans, window
 
 log = logging.getLogger("ds4jax.kvstore")
 
-#: 2: one payload array, zarr3, no compression; 3: rows in the state dtype (`payload`); 4:
-#: rings with rewind room (`model.state`); a checkpoint of an older format is ignored with
-#: a log line, never misread
-FORMAT = "ds4jax-kv/4"
-KEY_TOKEN_TEXT = "token-text"
 REASONS = tuple(SaveReason)
-TMP_PREFIX = ".tmp-"
-META, USAGE, STATE = "meta.json", "usage.json", "state"
-#: Orbax's own metadata files, added to the payload bytes when estimating a checkpoint
-ORBAX_OVERHEAD = 64 * 1024
-_NAME = re.compile(r"[0-9a-fA-F]{40}")
 _MiB = 1024 * 1024
-
-
-class KVStoreError(RuntimeError):
-    """A checkpoint that cannot be served."""
-
-
-def sha1_hex(data: bytes) -> str:
-    return hashlib.sha1(data).hexdigest()
-
-
-def _canonical(doc: Mapping[str, Any]) -> bytes:
-    return json.dumps(doc, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
-
-
-def _meta_digest(meta: Mapping[str, Any]) -> str:
-    return sha1_hex(_canonical({k: v for k, v in meta.items() if k != "meta_sha1"}))
-
-
-def _segments_from_json(raw: Any) -> tuple[Segment, ...]:
-    if not isinstance(raw, list):
-        raise ValueError("segments are not a list")
-    out = []
-    for item in raw:
-        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
-            raise ValueError("bad segment")
-        out.append(Segment(item[0], bool(item[1])))
-    return tuple(out)
-
-
-def read_meta(path: Path) -> dict[str, Any]:
-    """The verified metadata of the checkpoint directory `path`; ValueError (or OSError)
-    saying why it is not a checkpoint."""
-    try:
-        meta = json.loads((path / META).read_bytes())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"unreadable {META}: {err}") from err
-    except UnicodeDecodeError as err:
-        raise ValueError(f"unreadable {META}: {err}") from err
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"not a {FORMAT} checkpoint")
-    if meta.get("meta_sha1") != _meta_digest(meta):
-        raise ValueError("metadata checksum mismatch")
-    segments = _segments_from_json(meta.get("segments"))
-    text = join(segments).encode()
-    if sha1_hex(text) != meta.get("sha1") or meta["sha1"] != path.name.lower():
-        raise ValueError("text hash mismatch")
-    tokens = meta.get("tokens")
-    if not isinstance(tokens, list) or not tokens or len(tokens) != meta.get("n_tokens"):
-        raise ValueError("bad token ids")
-    if meta.get("text_bytes") != len(text):
-        raise ValueError("bad text length")
-    if not (path / STATE).is_dir():
-        raise ValueError("no payload")
-    meta["segments"] = segments
-    return meta
-
-
-def _dir_bytes(path: Path) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_size
-            except OSError:
-                pass
-    return total
-
-
-def _write_json(path: Path, doc: Mapping[str, Any]) -> None:
-    """Whole or not at all: a tmp file beside it, then rename."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(json.dumps(doc, ensure_ascii=False).encode())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _checkpointer() -> Any:
-    """A synchronous Orbax checkpointer (no commit thread) of the payload, tuned for
-    throughput (issue 17; `bench/disk.py` measures it against raw I/O): zarr3 without
-    compression (zstd saved 11% of a state's bytes and cut reads from 1,862 to 723 MB/s
-    in one comparison run), without OCDBT (one writer, one array: nothing to aggregate), and
-    without Orbax's copy of host arrays.
-    Across processes only process 0 touches the disk (`ds4jax.distributed`: the others get
-    loaded states by broadcast), so Orbax is told that process 0 alone takes part: no
-    barrier waits for processes that never save."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    # the payload is written synchronously and never changed meanwhile: Orbax's defensive
-    # copy of a host array (half the save time of a 250 MB payload here) is not needed
-    registry = ocp.type_handlers.create_type_handler_registry(
-        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False))
-    )
-    kw: dict[str, Any] = dict(use_ocdbt=False, use_zarr3=True, use_compression=False,
-                              type_handler_registry=registry)  # fmt: skip
-    if jax.process_count() > 1:
-        alone = ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0})
-        return ocp.Checkpointer(
-            ocp.PyTreeCheckpointHandler(multiprocessing_options=alone, **kw),
-            multiprocessing_options=alone,
-        )
-    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**kw))
-
-
-#: the payload is one byte array, in chunks of this size: Orbax's per-array cost is paid
-#: once, not for each of a model's few hundred state arrays, and two threads read and write
-#: the chunks (16 MiB measured best of 4–64 MiB here)
-CHUNK_BYTES = 16 << 20
-_ALIGN = 64
-
-
-def _layout(arrays: Mapping[str, Any]) -> tuple[dict[str, tuple[int, int, tuple, Any]], int]:
-    """Where each array (a manifest entry: shape and dtype) sits in the payload bytes, in
-    name order: name → (offset, bytes, shape, dtype); and the total size."""
-    out, end = {}, 0
-    for name in sorted(arrays):
-        shape, dtype = tuple(arrays[name]["shape"]), np.dtype(jnp.dtype(arrays[name]["dtype"]))
-        nbytes = int(np.prod(shape)) * dtype.itemsize
-        out[name] = (end, nbytes, shape, dtype)
-        end += -(-nbytes // _ALIGN) * _ALIGN
-    return out, max(end, _ALIGN)
-
-
-def _write_payload(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
-    import orbax.checkpoint as ocp
-
-    layout, total = _layout(manifest(arrays))
-    flat = np.zeros(total, np.uint8)
-    for name, (off, nbytes, _shape, _dtype) in layout.items():
-        flat[off : off + nbytes] = np.ascontiguousarray(arrays[name]).reshape(-1).view(np.uint8)
-    ck = _checkpointer()
-    try:
-        ck.save(path, args=ocp.args.PyTreeSave(
-            {"payload": flat}, save_args={"payload": ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES)}
-        ))  # fmt: skip
-    finally:
-        ck.close()
-
-
-def _piece_crcs(path: Path) -> list[str]:
-    """CRC-32 of each `CHUNK_BYTES` piece of a file."""
-    out = []
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            out.append(f"{zlib.crc32(chunk):08x}")
-    return out
-
-
-def _file_manifest(root: Path) -> dict[str, list]:
-    """Every file under `root` (an Orbax checkpoint): relative path → [bytes, CRC-32 of each
-    16 MiB piece]. Files are checksummed side by side (zlib releases the GIL)."""
-    paths = sorted(p for p in root.rglob("*") if p.is_file())
-    with crc_pool() as pool:
-        crcs = list(pool.map(_piece_crcs, paths))
-    return {
-        p.relative_to(root).as_posix(): [p.stat().st_size, c]
-        for p, c in zip(paths, crcs, strict=True)
-    }
-
-
-def _verify_files(root: Path, files: Any) -> None:
-    """The payload files are exactly those written: checked before Orbax reads a byte, so a
-    truncated or altered file is reported as such (and Orbax never parses it)."""
-    if not isinstance(files, dict) or not files:
-        raise KVStoreError("no payload file list")
-    for rel, (size, _crcs) in files.items():
-        p = root / rel
-        if not p.is_file() or p.stat().st_size != size:
-            raise KVStoreError(f"payload file {rel} is missing or truncated")
-    with crc_pool() as pool:
-        found = list(pool.map(_piece_crcs, (root / rel for rel in files)))
-    for (rel, (_size, crcs)), crc in zip(files.items(), found, strict=True):
-        if crc != crcs:
-            raise KVStoreError(f"payload file {rel} checksum mismatch")
-
-
-def _read_payload(path: Path, arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """The arrays of a manifest, as views of the one payload array Orbax reads back."""
-    import orbax.checkpoint as ocp
-
-    layout, total = _layout(arrays)
-    ck = _checkpointer()
-    try:
-        out = ck.restore(path, args=ocp.args.PyTreeRestore(
-            {"payload": np.empty(total, np.uint8)},
-            restore_args={"payload": ocp.RestoreArgs(restore_type=np.ndarray)},
-        ))  # fmt: skip
-    finally:
-        ck.close()
-    flat = np.asarray(out["payload"])
-    if flat.shape != (total,):
-        raise KVStoreError(f"payload of {flat.size} bytes, the manifest needs {total}")
-    return {
-        name: flat[off : off + nbytes].view(dtype).reshape(shape)
-        for name, (off, nbytes, shape, dtype) in layout.items()
-    }
-
-
-def tool_entries_in(text: str, tool_memory: ToolEntries | None) -> dict[str, str]:
-    """The entries (tool id → DSML block) of `tool_memory` (a `ToolMemory` or a mapping)
-    whose exact block occurs in `text`: every id of each such block (ds4 §2.7)."""
-    if tool_memory is None:
-        return {}
-    items = list(tool_memory.items())
-    open_tag = "<" + specials.DSML + "tool_calls>"
-    close_tag = "</" + specials.DSML + "tool_calls>"
-    if not items or open_tag not in text:
-        return {}
-    # a block is `<prefix><core>`, its core running from the opening tag to the closing one
-    by_core: dict[str, dict[str, list[str]]] = {}
-    loose: dict[str, list[str]] = {}
-    for tid, block in items:
-        k = block.find(open_tag)
-        if k < 0 or not block.endswith(close_tag):
-            loose.setdefault(block, []).append(tid)
-        else:
-            by_core.setdefault(block[k:], {}).setdefault(block[:k], []).append(tid)
-    found: dict[str, str] = {}
-    i = text.find(open_tag)
-    while i >= 0:
-        j = text.find(close_tag, i)
-        if j < 0:
-            break
-        end = j + len(close_tag)
-        for prefix, ids in by_core.get(text[i:end], {}).items():
-            if i >= len(prefix) and text[i - len(prefix) : i] == prefix:
-                found.update(dict.fromkeys(ids, prefix + text[i:end]))
-        i = text.find(open_tag, end)
-    for block, ids in loose.items():
-        if block and block in text:
-            found.update(dict.fromkeys(ids, block))
-    return found
-
-
-@dataclass
-class _Entry:
-    """One well-formed checkpoint, as the index keeps it (the rest stays in meta.json)."""
-
-    key: str
-    path: Path
-    fingerprint: str
-    tokens: int
-    text_bytes: int
-    window: int
-    reason: str
-    created: float
-    size: int
-    hits: int = 0
-    last_used: float = 0.0
-
-    def usage(self) -> policy.Usage:
-        return policy.Usage(
-            self.key, self.tokens, self.size, self.hits, self.created, self.last_used
-        )
 
 
 class DiskStore:
@@ -420,21 +154,20 @@ class DiskStore:
             except KeyError:
                 self._user_id = self._assistant_id = None
         self._lock = threading.RLock()
-        self._index: dict[str, _Entry] = {}
-        self._ignored: set[str] = set()  # names already logged as not checkpoints
+        self._index = Index(self.directory, fingerprint)
         self._bad: set[str] = set()  # checkpoints whose load failed in this process
         #: checkpoints written and loaded by this process (the server's metrics)
         self.saved = self.restored = 0
-        self._make_directory()
+        self._index.make_directory()
         with self._lock:
-            self._clean_tmp()
-            self._refresh()
+            self._index.clean_tmp()
+            self._index.refresh()
             self._evict(protect=None)
         log.info(
             "kv cache dir=%s checkpoints=%d size=%.1f MiB budget=%.0f MiB",
             self.directory,
-            len(self._index),
-            sum(e.size for e in self._index.values()) / _MiB,
+            len(self._index.entries),
+            sum(e.size for e in self._index.entries.values()) / _MiB,
             self.budget_bytes / _MiB,
         )
 
@@ -459,107 +192,17 @@ class DiskStore:
             **options,
         )
 
-    # ------------------------------------------------------------------ the directory
-
-    def _make_directory(self) -> None:
-        missing = []
-        p = self.directory
-        while not p.exists():
-            missing.append(p)
-            if p.parent == p:
-                break
-            p = p.parent
-        for d in reversed(missing):
-            d.mkdir(mode=0o700, exist_ok=True)
-
-    def _clean_tmp(self) -> None:
-        """Leftovers of saves or deletions a crash interrupted."""
-        for child in os.scandir(self.directory):
-            if child.name.startswith(TMP_PREFIX):
-                log.info("kv cache removed incomplete %s", child.path)
-                if child.is_dir(follow_symlinks=False):
-                    shutil.rmtree(child.path, ignore_errors=True)
-                else:
-                    Path(child.path).unlink(missing_ok=True)
-
-    def _refresh(self) -> None:
-        """Bring the index in line with the directory: new checkpoints are read and checked,
-        vanished ones dropped. Called at startup and before every lookup and save."""
-        seen: set[str] = set()
-        try:
-            children = list(os.scandir(self.directory))
-        except OSError as err:
-            log.warning("kv cache cannot list %s: %s", self.directory, err)
-            return
-        for child in children:
-            if not _NAME.fullmatch(child.name) or not child.is_dir(follow_symlinks=False):
-                continue
-            key = child.name.lower()
-            seen.add(key)
-            if key in self._index or child.name in self._ignored:
-                continue
-            path = Path(child.path)
-            try:
-                meta = read_meta(path)
-                entry = _Entry(
-                    key=key,
-                    path=path,
-                    fingerprint=str(meta.get("fingerprint")),
-                    tokens=int(meta["n_tokens"]),
-                    text_bytes=int(meta["text_bytes"]),
-                    window=int(meta.get("window", -1)),
-                    reason=str(meta.get("reason")),
-                    created=float(meta.get("created", 0.0)),
-                    size=_dir_bytes(path),
-                )
-            except (OSError, ValueError, KeyError, TypeError) as err:
-                self._ignored.add(child.name)
-                log.warning("kv cache ignored %s: %s", path, err)
-                continue
-            entry.hits, entry.last_used = self._read_usage(path)
-            if entry.fingerprint != self.fingerprint:
-                log.info("kv cache ignores %s: another model's checkpoint", path)
-            self._index[key] = entry
-        for key in set(self._index) - seen:
-            del self._index[key]
-        self._ignored &= {c.name for c in children}
-
-    @staticmethod
-    def _read_usage(path: Path) -> tuple[int, float]:
-        try:
-            doc = json.loads((path / USAGE).read_bytes())
-            return max(0, int(doc["hits"])), float(doc["last_used"])
-        except Exception:
-            return 0, 0.0
-
-    def _touch(self, entry: _Entry, hit: bool) -> None:
-        entry.hits += int(hit)
-        entry.last_used = self.clock()
-        try:
-            _write_json(entry.path / USAGE, {"hits": entry.hits, "last_used": entry.last_used})
-        except OSError as err:
-            log.warning("kv cache could not update %s: %s", entry.path / USAGE, err)
-
-    def _remove(self, entry: _Entry) -> None:
-        """Delete a checkpoint: rename it out of sight first, so an interrupted deletion
-        leaves a `.tmp-` directory (cleaned at startup), never a half checkpoint."""
-        self._index.pop(entry.key, None)
-        gone = self.directory / f"{TMP_PREFIX}del-{entry.key}-{secrets.token_hex(4)}"
-        try:
-            os.rename(entry.path, gone)
-        except FileNotFoundError:
-            return
-        shutil.rmtree(gone, ignore_errors=True)
+    # ------------------------------------------------------------------ the budget
 
     def _evict(self, protect: str | None) -> None:
         for u in policy.eviction_order(
-            [e.usage() for e in self._index.values()],
+            [e.usage() for e in self._index.entries.values()],
             self.budget_bytes,
             self.clock(),
             protect,
             self.hit_half_life_s,
         ):
-            entry = self._index[u.key]
+            entry = self._index.entries[u.key]
             log.info(
                 "kv cache evicted reason=disk-cache-full tokens=%d hits=%d size=%.2f MiB file=%s",
                 entry.tokens,
@@ -567,7 +210,7 @@ class DiskStore:
                 entry.size / _MiB,
                 entry.path,
             )
-            self._remove(entry)
+            self._index.remove(entry)
 
     # ------------------------------------------------------------------ the KVStore protocol
 
@@ -594,10 +237,10 @@ class DiskStore:
         segments = normalize(segments)
         text = join(segments).encode()
         with self._lock:
-            self._refresh()
+            self._index.refresh()
             cands = [
                 e
-                for e in self._index.values()
+                for e in self._index.entries.values()
                 if e.fingerprint == self.fingerprint
                 and e.key not in self._bad
                 and e.text_bytes <= len(text)
@@ -640,7 +283,7 @@ class DiskStore:
                 )
             return None
 
-    def _load(self, entry: _Entry, meta: dict[str, Any]) -> DecodeState:
+    def _load(self, entry: Entry, meta: dict[str, Any]) -> DecodeState:
         t0 = time.perf_counter()
         tokens = meta["tokens"]
         try:
@@ -663,10 +306,10 @@ class DiskStore:
                     " (discarded)" if corrupt else "",
                 )
                 if corrupt:
-                    self._remove(entry)
+                    self._index.remove(entry)
             raise KVStoreError(f"checkpoint {entry.key}: {err}") from err
         with self._lock:
-            self._touch(entry, hit=True)
+            self._index.touch(entry, hit=True, now=self.clock())
             self.restored += 1
         log.info(
             "kv cache hit tokens=%d key=%s reason=%s hits=%d load=%.0f ms",
@@ -713,13 +356,13 @@ class DiskStore:
         key = sha1_hex(text.encode())
         entries = tool_entries_in(text, tool_memory)
         with self._lock:
-            self._refresh()
-            old = self._index.get(key)
+            self._index.refresh()
+            old = self._index.entries.get(key)
             if old is not None:
                 if self._keep_existing(old, tokens, segments, entries):
                     return
                 log.info("kv cache replaced incompatible file %s", old.path)
-                self._remove(old)
+                self._index.remove(old)
             arrays = pack(state, n, self.cfg)
             meta: dict[str, Any] = {
                 "format": FORMAT,
@@ -770,7 +413,7 @@ class DiskStore:
                 shutil.rmtree(tmp, ignore_errors=True)
                 log.warning("kv cache store failed (%s) tokens=%d: %s", reason, n, err)
                 return
-            self._index[key] = _Entry(
+            self._index.entries[key] = Entry(
                 key=key,
                 path=final,
                 fingerprint=self.fingerprint,
@@ -792,7 +435,7 @@ class DiskStore:
 
     def _keep_existing(
         self,
-        old: _Entry,
+        old: Entry,
         tokens: tuple[int, ...],
         segments: tuple[Segment, ...],
         entries: dict[str, str],
@@ -816,7 +459,7 @@ class DiskStore:
                 _write_json(old.path / META, meta)
             except OSError as err:
                 log.warning("kv cache could not update %s: %s", old.path / META, err)
-        self._touch(old, hit=False)
+        self._index.touch(old, hit=False, now=self.clock())
         return True
 
     # ------------------------------------------------------------------ startup
@@ -829,9 +472,9 @@ class DiskStore:
         block)`."""
         out: dict[str, str] = {}
         with self._lock:
-            self._refresh()
+            self._index.refresh()
             entries = sorted(
-                (e for e in self._index.values() if e.fingerprint == self.fingerprint),
+                (e for e in self._index.entries.values() if e.fingerprint == self.fingerprint),
                 key=lambda e: e.last_used or e.created,
             )
             for e in entries:
@@ -853,7 +496,7 @@ class DiskStore:
         """The index, for logs and tests: key, tokens, reason, size, hits, fingerprint
         match."""
         with self._lock:
-            self._refresh()
+            self._index.refresh()
             return [
                 {
                     "key": e.key,
@@ -865,9 +508,9 @@ class DiskStore:
                     "created": e.created,
                     "same_model": e.fingerprint == self.fingerprint,
                 }
-                for e in sorted(self._index.values(), key=lambda e: e.created)
+                for e in sorted(self._index.entries.values(), key=lambda e: e.created)
             ]
 
     def total_bytes(self) -> int:
         with self._lock:
-            return sum(e.size for e in self._index.values())
+            return sum(e.size for e in self._index.entries.values())

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from ds4jax.chat.segments import join
-from ds4jax.kvstore.disk import sha1_hex
+from ds4jax.kvstore.checkpoint import sha1_hex
 from tests.kvstore.conftest import convo, fake_state, make_store, states_equal, tokens_for
 
 ROOT = Path(__file__).resolve().parents[2]

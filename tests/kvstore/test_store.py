@@ -18,8 +18,10 @@ from ds4jax.chat import specials
 from ds4jax.chat.segments import Segment, join, normalize
 from ds4jax.continuation.tool_memory import ToolMemory
 from ds4jax.kvstore import disk
-from ds4jax.kvstore.disk import DiskStore, KVStoreError, sha1_hex, tool_entries_in
+from ds4jax.kvstore.checkpoint import KVStoreError, sha1_hex
+from ds4jax.kvstore.disk import DiskStore
 from ds4jax.kvstore.fingerprint import model_fingerprint
+from ds4jax.kvstore.tool_entries import tool_entries_in
 from ds4jax.model.state import init_state
 from tests.kvstore.conftest import (
     ASSISTANT_ID,

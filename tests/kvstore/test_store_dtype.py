@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ds4jax.kvstore.disk import sha1_hex
+from ds4jax.kvstore.checkpoint import sha1_hex
 from ds4jax.kvstore.payload import pack
 from ds4jax.model.pages import rows_from_bytes, rows_to_bytes
 from tests.kvstore.conftest import convo, fake_state, make_store, states_equal, tokens_for
