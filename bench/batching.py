@@ -29,8 +29,8 @@ MODELS = ("bench-192m", "tiny", "demo")
 def _setup(name: str):
     from ds4jax.chat.tokenizer import load_tokenizer
     from ds4jax.config import load_config
-    from ds4jax.model.checkpoint import load_model
     from ds4jax.model.params import init_params
+    from ds4jax.weights.checkpoint import load_model
 
     if name == "demo":
         cfg, params, _, _ = load_model("demo", load_tokenizer=load_tokenizer)

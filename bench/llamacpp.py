@@ -119,8 +119,8 @@ def write_checkpoint(cfg_name: str, seed: int, root: Path) -> Path:
     from importlib import resources
 
     from ds4jax.config import load_config
-    from ds4jax.model.official import write_official_checkpoint
     from ds4jax.model.params import init_params
+    from ds4jax.weights.official import write_official_checkpoint
 
     cfg = load_config(cfg_name)
     # bf16 linears, not FP8: llama.cpp's converter re-quantizes FP8 to Q8_0, which is lossy;
@@ -245,9 +245,9 @@ def main(quick: bool = False, cfg_name: str = "bench-192m", seed: int = 0) -> di
     from bench.disk import use_compile_cache
     from bench.report import write_json
     from ds4jax.chat.tokenizer import load_tokenizer
-    from ds4jax.model.checkpoint import load_model
     from ds4jax.model.forward import prefill
     from ds4jax.model.state import init_state
+    from ds4jax.weights.checkpoint import load_model
 
     use_compile_cache()
     sizes = PREFILL[:1] if quick else PREFILL

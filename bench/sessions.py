@@ -59,7 +59,7 @@ def live_rate(loops: int) -> list[dict[str, Any]]:
     from ds4jax.chat.tokenizer import load_tokenizer
     from ds4jax.continuation.types import CacheSource
     from ds4jax.demo.corpus import TOOLS as DEMO_TOOLS
-    from ds4jax.model.checkpoint import load_model
+    from ds4jax.weights.checkpoint import load_model
 
     cfg, params, tok, _ = load_model("demo", load_tokenizer=load_tokenizer)
     rows = []

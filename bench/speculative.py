@@ -33,8 +33,8 @@ def _engines(name: str, max_len: int) -> tuple[Any, Any]:
     from ds4jax.chat.tokenizer import V4Tokenizer, load_tokenizer
     from ds4jax.config import load_config
     from ds4jax.engine import Engine
-    from ds4jax.model.checkpoint import load_model
     from ds4jax.model.params import init_params
+    from ds4jax.weights.checkpoint import load_model
 
     if name == "demo":
         cfg, params, tokenizer, _ = load_model("demo", mtp=True, load_tokenizer=load_tokenizer)

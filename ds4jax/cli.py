@@ -17,7 +17,7 @@ from ds4jax.chat.anthropic import RequestError, parse_messages_request
 from ds4jax.chat.render import render
 from ds4jax.chat.segments import join
 from ds4jax.chat.tokenizer import load_tokenizer
-from ds4jax.model.options import add_attention_impl, add_hub_options, add_weights
+from ds4jax.weights.options import add_attention_impl, add_hub_options, add_weights
 
 
 def _read_body(path: str) -> Any:
@@ -68,8 +68,8 @@ def _load_model(args: argparse.Namespace) -> tuple[Any, Any, Any, Callable[[Any]
     the params read onto `--mesh`; `place` puts a state on the same devices."""
     import jax
 
-    from ds4jax.model.checkpoint import load_model
     from ds4jax.model.sharding import Placement, replicated
+    from ds4jax.weights.checkpoint import load_model
 
     placement = Placement(args.mesh)
     cfg, params, tokenizer, _ = load_model(
@@ -180,7 +180,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config)
     except FileNotFoundError:
-        from ds4jax.model import hub
+        from ds4jax.weights import hub
 
         if not hub.is_repo_id(args.config):
             raise
@@ -199,7 +199,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
-    from ds4jax.model.checkpoint import convert, resolve_model_dir
+    from ds4jax.weights.checkpoint import convert, resolve_model_dir
 
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     src = resolve_model_dir(args.src, args.revision, args.download_dir)
@@ -356,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(err.body(), ensure_ascii=False), file=sys.stderr)
         return 1
     except (FileNotFoundError, FileExistsError, ValueError) as err:
-        from ds4jax.model.hub import HubError
+        from ds4jax.weights.hub import HubError
 
         print(f"ds4jax {args.command}: {err}", file=sys.stderr)
         # 2, as for a usage error: the model named is not reachable from here, nothing broke

@@ -45,10 +45,10 @@ import jax
 from ds4jax.config import Config
 from ds4jax.kvstore.pages import pages_for
 from ds4jax.model import pages
-from ds4jax.model.official import leaf_kind, stored_bytes
 from ds4jax.model.params import param_shapes, path_name
 from ds4jax.model.sharding import EXPERT_AXIS, TENSOR_AXIS, mesh_axes
 from ds4jax.model.state import capacity_bytes
+from ds4jax.weights.official import leaf_kind, stored_bytes
 
 WEIGHTS = ("fp8", "bf16", "f32", "fp4-experts")
 STATES_PER_SESSION = 2  # serve's default --state-budget-mb: a live frontier + a fork point

@@ -16,8 +16,8 @@ from ds4jax.config import CONFIG_DIR
 from ds4jax.continuation.reasoning_seal import ReasoningSeal
 from ds4jax.engine import Engine
 from ds4jax.interleave import DEFAULT_STALL_BOUND
-from ds4jax.model.options import add_attention_impl, add_hub_options, add_weights
 from ds4jax.model.sharding import MESH_HELP
+from ds4jax.weights.options import add_attention_impl, add_hub_options, add_weights
 from serve import logs
 from serve.app import ServerConfig, create_app
 from serve.worker import EngineWorker
@@ -113,8 +113,8 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
 
 def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     from ds4jax.chat.tokenizer import load_tokenizer
-    from ds4jax.model.checkpoint import load_model
     from ds4jax.model.state import capacity_bytes
+    from ds4jax.weights.checkpoint import load_model
 
     model, config = args.model, args.config
     if model is None and config is None:

@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from ds4jax.model.official import write_official_checkpoint
+from ds4jax.weights.official import write_official_checkpoint
 from tests.model.tiny_model import random_params, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -106,7 +106,7 @@ def test_tokenizer_train_then_tokenize_with_it(tmp_path: Path) -> None:
 
 def test_attention_impl_flag_reaches_the_config() -> None:
     from ds4jax.chat.tokenizer import load_tokenizer
-    from ds4jax.model.checkpoint import load_model
+    from ds4jax.weights.checkpoint import load_model
     from serve.main import add_arguments
 
     cfg, *_ = load_model(None, "tiny", attention_impl="pallas", load_tokenizer=load_tokenizer)

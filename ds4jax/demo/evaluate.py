@@ -156,7 +156,7 @@ def make_engine(model: str, state_dtype: str = "f32", speculative: bool = False)
     difference is the state's rounding. `speculative`: decoding drafts with the model's MTP
     block (issue 29; exact, so greedy scores must not move)."""
     from ds4jax.chat.tokenizer import load_tokenizer
-    from ds4jax.model.checkpoint import load_model
+    from ds4jax.weights.checkpoint import load_model
 
     cfg, params, tokenizer, _ = load_model(model, mtp=speculative, load_tokenizer=load_tokenizer)
     spec = dict(speculative="mtp", speculative_max_batch=1) if speculative else {}

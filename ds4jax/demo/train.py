@@ -42,10 +42,10 @@ from ds4jax.chat.tokenizer import Tokenizer
 from ds4jax.config import CONFIG_DIR, Config, load_config
 from ds4jax.demo.corpus import city_symbols, training_bodies
 from ds4jax.model import layers
-from ds4jax.model.checkpoint import save_params
 from ds4jax.model.forward import forward_chunk
 from ds4jax.model.params import Params, init_params
 from ds4jax.model.state import init_state
+from ds4jax.weights.checkpoint import save_params
 
 #: Where the shipped model lives: a named model directory beside the named configs.
 DEMO_DIR = CONFIG_DIR / "demo"

@@ -64,10 +64,10 @@ from ds4jax.demo.train import (
     run_steps,
     training_record,
 )
-from ds4jax.model.checkpoint import is_params_checkpoint, restore_params, save_params
 from ds4jax.model.forward import forward_chunk, mtp_chunk
 from ds4jax.model.params import Params, init_params
 from ds4jax.model.state import DecodeState, init_state
+from ds4jax.weights.checkpoint import is_params_checkpoint, restore_params, save_params
 
 _TRAIN = TrainSettings()
 

@@ -38,11 +38,12 @@ from ds4jax.engine.ticket import Ticket
 from ds4jax.interleave import TickCosts
 from ds4jax.kvstore.background import BackgroundSaves
 from ds4jax.kvstore.page_store import PageStore
-from ds4jax.kvstore.pages import PageTable, pages_for
+from ds4jax.kvstore.pages import pages_for
 from ds4jax.kvstore.store import KVStore, NoStore
 from ds4jax.model import batch as batch_ops
 from ds4jax.model.forward import CHUNK_SIZES
 from ds4jax.model.page_io import small_part
+from ds4jax.model.page_table import PageTable
 from ds4jax.model.params import Params
 from ds4jax.model.sharding import DATA_AXIS
 from ds4jax.model.state import SPAN_BASE, capacity_bytes, holds, init_state, resize, span_for, spans

@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 
 from ds4jax.engine.requests import EngineError
-from ds4jax.kvstore.pages import OutOfPages, PageTable, pages_for, shard_for
+from ds4jax.kvstore.pages import OutOfPages, pages_for, shard_for
 from ds4jax.model import batch as batch_ops
 from ds4jax.model.page_io import PagedFrontier
+from ds4jax.model.page_table import PageTable
 
 #: one logger for the whole engine, so its lines keep the name they always had
 log = logging.getLogger("ds4jax.engine")

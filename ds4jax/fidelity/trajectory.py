@@ -43,11 +43,11 @@ def load_model(
 ) -> Engine:
     """An Engine for a named config with random weights (`seed`; quantization simulation off
     unless asked, so the `exact` control measures float rounding only) or a checkpoint
-    directory / named model such as `demo` (`ds4jax.model.checkpoint.load_model`: its own
+    directory / named model such as `demo` (`ds4jax.weights.checkpoint.load_model`: its own
     tokenizer when it ships one; its config's `quant_sim` unless overridden)."""
     from ds4jax.chat.tokenizer import load_tokenizer
-    from ds4jax.model.checkpoint import load_model as load
-    from ds4jax.model.checkpoint import resolve_model_dir
+    from ds4jax.weights.checkpoint import load_model as load
+    from ds4jax.weights.checkpoint import resolve_model_dir
 
     try:
         checkpoint = resolve_model_dir(model).is_dir()

@@ -32,9 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.config import Config
-from ds4jax.kvstore.pages import PAGE_TOKENS, OutOfPages, PagePool, PageTable, pages_for
+from ds4jax.kvstore.pages import OutOfPages, PagePool, pages_for
 from ds4jax.model import page_io
 from ds4jax.model import pages as layout
+from ds4jax.model.page_table import PAGE_TOKENS, PageTable
 from ds4jax.model.sharding import fetch
 from ds4jax.model.state import DecodeState, init_state, span_for
 

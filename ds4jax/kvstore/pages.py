@@ -31,8 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PAGE_TOKENS = 256
-NULL_PAGE = 0
+from ds4jax.model.page_table import PAGE_TOKENS, Copy, PageTable
 
 
 def pages_for(tokens: int) -> int:
@@ -60,29 +59,6 @@ class OutOfPages(RuntimeError):
         super().__init__(f"{wanted} pages wanted, {free} free")
         self.wanted = wanted
         self.free = free
-
-
-@dataclass(frozen=True)
-class PageTable:
-    """The pages of one frontier, in token order; the last one may be partly filled."""
-
-    pages: tuple[int, ...] = ()
-    tokens: int = 0
-
-    def padded(self, width: int) -> list[int]:
-        """The table as the step reads it: `width` entries, the unused ones the null page."""
-        if len(self.pages) > width:
-            raise ValueError(f"a table of {len(self.pages)} pages does not fit {width}")
-        return [*self.pages, *([NULL_PAGE] * (width - len(self.pages)))]
-
-
-@dataclass(frozen=True)
-class Copy:
-    """Copy page `src`'s first `tokens` tokens' rows into page `dst` (before appending)."""
-
-    src: int
-    dst: int
-    tokens: int
 
 
 @dataclass

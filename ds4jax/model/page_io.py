@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.config import Config
-from ds4jax.kvstore.pages import PAGE_TOKENS, Copy, PageTable
+from ds4jax.model.page_table import PAGE_TOKENS, Copy, PageTable
 from ds4jax.model.pages import decode_index_rows, decode_rows, encode_index_rows, encode_rows
 from ds4jax.model.state import DecodeState, capacity, init_state
 

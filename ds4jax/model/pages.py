@@ -2,7 +2,7 @@
 dtype, and the small per-session part — shapes only, so that what a page and a session
 cost is counted on the arrays the pool will hold, never by a formula kept beside them.
 
-A page (`kvstore.pages.PAGE_TOKENS` = 256 tokens) holds, per compressed layer, the rows
+A page (`model.page_table.PAGE_TOKENS` = 256 tokens) holds, per compressed layer, the rows
 those tokens complete: 256 / ratio rows (64 for CSA, 2 for HCA), and for CSA layers as many
 indexer rows. `--state-dtype`:
 - `f32`, `bf16`: a row is `head_dim` values of that dtype (indexer rows `index_head_dim`);
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.config import Config
-from ds4jax.kvstore.pages import PAGE_TOKENS
+from ds4jax.model.page_table import PAGE_TOKENS
 from ds4jax.model.quant_sim import fp8_decode, fp8_encode
 from ds4jax.model.state import frontier_rows, overlap, window
 

@@ -1,7 +1,7 @@
 """Weights that stay in the release's own formats on device (`--weights fp8`).
 
 The official release stores its linears as FP8 E4M3 with one power-of-two scale per 128×128
-block and its routed experts as FP4 E2M1 with one per 32 inputs (`model.official`). Expanded
+block and its routed experts as FP4 E2M1 with one per 32 inputs (`weights.official`). Expanded
 to bf16 at load they take twice (FP8) to four times (FP4) the device memory; here they stay
 as they are — `float8_e4m3fn` values, FP4 codes packed two per byte as the release packs
 them, and E8M0 exponent bytes — and are expanded inside the jitted step where they are used.

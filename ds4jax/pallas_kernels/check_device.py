@@ -50,7 +50,7 @@ TF32_TOL = 1e-2  # relative, kernel at the default precision (TF32 on GPU)
 
 # V4 Flash: 64 heads × 512, indexer 64 × 128, top-512, window 128, CSA ratio 4, HCA 128
 H, D, IH, ID, TOPK, W = 64, 512, 64, 128, 512, 128
-PAGE_TOKENS = 256  # kvstore.pages.PAGE_TOKENS (not imported: nothing above the kernels)
+PAGE_TOKENS = 256  # model.page_table.PAGE_TOKENS (not imported: nothing above the kernels)
 
 #: ops with no lowering on a platform: their cases time the twin only and are not failures
 NO_LOWERING = {"gpu": {"paged_attention": "scalar prefetch has no Triton/Mosaic GPU lowering"}}

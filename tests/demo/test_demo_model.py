@@ -13,7 +13,7 @@ from ds4jax.chat.tokenizer import load_tokenizer
 from ds4jax.demo.evaluate import BARS, Outcome, main, score
 from ds4jax.demo.train import DEMO_DIR
 from ds4jax.engine import Engine
-from ds4jax.model.checkpoint import load_model
+from ds4jax.weights.checkpoint import load_model
 
 N = 50
 

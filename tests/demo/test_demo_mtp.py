@@ -19,9 +19,9 @@ from ds4jax.chat.tokenizer import load_tokenizer
 from ds4jax.demo.corpus import held_out_tasks, request_body
 from ds4jax.demo.train import DEMO_DIR
 from ds4jax.demo.train_mtp import main
-from ds4jax.model.checkpoint import load_model, read_metadata, restore_params
 from ds4jax.model.params import Params, init_params, param_shapes, path_name
 from ds4jax.model.speculative import generate_greedy
+from ds4jax.weights.checkpoint import load_model, read_metadata, restore_params
 
 #: sha256 over (leaf name, dtype, bytes) of the model's weights as shipped before the block
 #: was trained into the checkpoint: the block changed none of them

@@ -10,15 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ds4jax.kvstore.pages import (
-    NULL_PAGE,
-    PAGE_TOKENS,
-    OutOfPages,
-    PagePool,
-    PageTable,
-    pages_for,
-    shard_for,
-)
+from ds4jax.kvstore.pages import OutOfPages, PagePool, pages_for, shard_for
+from ds4jax.model.page_table import NULL_PAGE, PAGE_TOKENS, PageTable
 
 
 def test_pages_for_counts_partial_pages() -> None:

@@ -21,7 +21,8 @@ SCRIPT = textwrap.dedent(
     assert len(jax.devices()) == 8, jax.devices()
     from jax.sharding import NamedSharding, PartitionSpec as P
     from ds4jax.config import load_config
-    from ds4jax.kvstore.pages import PagePool, PageTable
+    from ds4jax.kvstore.pages import PagePool
+    from ds4jax.model.page_table import PageTable
     from ds4jax.model import batch as mb, page_io, pages
     from ds4jax.model.forward import prefill
     from ds4jax.model.params import init_params

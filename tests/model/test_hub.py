@@ -17,9 +17,9 @@ from huggingface_hub.utils import filter_repo_objects
 from ds4jax import cli
 from ds4jax.chat.tokenizer import load_tokenizer
 from ds4jax.config import load_config
-from ds4jax.model import hub
-from ds4jax.model.checkpoint import load_model, resolve_model_dir
-from ds4jax.model.official import read_weight_map, release_config
+from ds4jax.weights import hub
+from ds4jax.weights.checkpoint import load_model, resolve_model_dir
+from ds4jax.weights.official import read_weight_map, release_config
 from tests.fake_hub import (
     NOT_FETCHED,
     STALE_SHARD,

@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ds4jax.model import layers, official
+from ds4jax.model import layers
 from ds4jax.model.params import init_params
 from ds4jax.model.quantized import dense
 from ds4jax.model.state import init_state
+from ds4jax.weights import official
 from tests.model.conftest import small_config
 
 CFG = small_config(num_layers=2, compress_ratios=(4, 8), hash_layers=(True, False), quant_sim=False)

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.model.forward import mtp_chunk
-from ds4jax.model.loading import load_hf_checkpoint
 from ds4jax.model.params import init_params, param_shapes
 from ds4jax.model.state import init_state
+from ds4jax.weights.loading import load_hf_checkpoint
 from tests.model import hf_reference
 
 BLOCK = dict(hf_reference.BASE, num_hidden_layers=1, layer_types=["sliding_attention"],
@@ -102,9 +102,9 @@ def test_the_block_loads_from_the_release_layout(tmp_path: Path) -> None:
     """`mtp.0.*` as the release names it (the block's layer named as a layer, its FP8
     input projections and FP4 experts quantized as the model's): loaded on request, each
     leaf the written one to its format's rounding; ignored otherwise, as before."""
-    from ds4jax.model.loading import CheckpointError
-    from ds4jax.model.official import load_official_checkpoint, write_official_checkpoint
     from ds4jax.model.params import path_name
+    from ds4jax.weights.loading import CheckpointError
+    from ds4jax.weights.official import load_official_checkpoint, write_official_checkpoint
     from tests.model.conftest import small_config
 
     cfg = small_config(num_layers=2, compress_ratios=(4, 8), hash_layers=(True, False),

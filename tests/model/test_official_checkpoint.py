@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 
 from ds4jax.config import Config, load_config
-from ds4jax.model import official
-from ds4jax.model.loading import CheckpointError
 from ds4jax.model.params import Params, param_shapes, path_name
-from ds4jax.model.safetensors_raw import RawTensorSource, write_safetensors
+from ds4jax.weights import official
+from ds4jax.weights.loading import CheckpointError
+from ds4jax.weights.safetensors_raw import RawTensorSource, write_safetensors
 from tests.model.tiny_model import random_params, tiny_config
 
 

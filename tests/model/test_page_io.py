@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from ds4jax.config import load_config
-from ds4jax.kvstore.pages import PagePool, PageTable
+from ds4jax.kvstore.pages import PagePool
 from ds4jax.model import page_io, pages
+from ds4jax.model.page_table import PageTable
 from tests.model.conftest import PAGED_MAX_LEN as MAX_LEN
 
 CFG = load_config("tiny")

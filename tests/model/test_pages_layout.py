@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds4jax.config import load_config
-from ds4jax.kvstore.pages import PAGE_TOKENS, pages_for
+from ds4jax.kvstore.pages import pages_for
 from ds4jax.model import pages, quant_sim
+from ds4jax.model.page_table import PAGE_TOKENS
 from ds4jax.model.state import capacity, capacity_bytes
 
 FLASH = load_config("deepseek-v4-flash")

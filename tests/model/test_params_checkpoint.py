@@ -24,8 +24,9 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
 
 from ds4jax.config import Config
-from ds4jax.model import names
-from ds4jax.model.checkpoint import (
+from ds4jax.model.params import Params, init_params, path_name
+from ds4jax.weights import names
+from ds4jax.weights.checkpoint import (
     COMMIT_MARK,
     convert,
     detect_layout,
@@ -34,13 +35,12 @@ from ds4jax.model.checkpoint import (
     restore_params,
     save_params,
 )
-from ds4jax.model.loading import CheckpointError, load_hf_checkpoint
-from ds4jax.model.official import (
+from ds4jax.weights.loading import CheckpointError, load_hf_checkpoint
+from ds4jax.weights.official import (
     load_official_checkpoint,
     release_config,
     write_official_checkpoint,
 )
-from ds4jax.model.params import Params, init_params, path_name
 from tests.model.tiny_model import assert_same, random_params, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,7 +158,7 @@ _SUBPROCESS = """
 import sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from ds4jax.model.checkpoint import restore_params, save_params
+from ds4jax.weights.checkpoint import restore_params, save_params
 from ds4jax.model.params import path_name
 from tests.model.tiny_model import random_params, tiny_config
 

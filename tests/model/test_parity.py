@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from ds4jax.model.forward import prefill
-from ds4jax.model.loading import load_hf_checkpoint
 from ds4jax.model.state import init_state
+from ds4jax.weights.loading import load_hf_checkpoint
 from tests.model import hf_reference
 
 

@@ -17,13 +17,13 @@ import pytest
 
 from ds4jax.chat.tokenizer import load_tokenizer
 from ds4jax.model import batch as batch_ops
-from ds4jax.model import official
-from ds4jax.model.checkpoint import load_model
 from ds4jax.model.forward import decode_step, prefill
-from ds4jax.model.loading import CheckpointError
 from ds4jax.model.params import init_params, path_name
 from ds4jax.model.quantized import QWeight, dequantize, device_bytes, e2m1, is_quantized, matmul
 from ds4jax.model.state import init_state
+from ds4jax.weights import official
+from ds4jax.weights.checkpoint import load_model
+from ds4jax.weights.loading import CheckpointError
 from tests.model.conftest import small_config
 
 CFG = small_config(num_layers=2, compress_ratios=(4, 8), hash_layers=(True, False), quant_sim=False)
@@ -126,7 +126,7 @@ def test_fp4_experts_keep_only_the_experts_and_give_the_f32_logits(release: Path
 def test_fp8_needs_the_official_layout(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="official layout"):
         load_model(None, "tiny", weights="fp8", load_tokenizer=load_tokenizer)
-    from ds4jax.model.checkpoint import save_params
+    from ds4jax.weights.checkpoint import save_params
 
     save_params(init_params(CFG, 0), CFG, tmp_path / "orbax")
     with pytest.raises(CheckpointError, match="official layout, not orbax"):

@@ -145,7 +145,7 @@ SCRIPT = textwrap.dedent(
 
     # --weights fp8 on the mesh: the release's FP8/FP4 tensors sharded as they are, the same
     # logits as dequantized at load on one device
-    from ds4jax.model.official import write_official_checkpoint
+    from ds4jax.weights.official import write_official_checkpoint
 
     rel, ids = os.path.join(d, "release"), os.path.join(d, "ids.txt")
     small = small_config(num_layers=2, compress_ratios=(4, 8), hash_layers=(True, False),

@@ -138,7 +138,7 @@ def test_disk_checkpoints_of_the_group_serve_it_and_one_process(
     from ds4jax.chat.tokenizer import load_tokenizer
     from ds4jax.engine import Engine
     from ds4jax.kvstore.disk import DiskStore
-    from ds4jax.model.checkpoint import load_model
+    from ds4jax.weights.checkpoint import load_model
     from serve.main import default_state_dtype
 
     cfg, params, tok, _ = load_model("demo", load_tokenizer=load_tokenizer)

@@ -85,7 +85,7 @@ def snapshot(
 ) -> Path:
     """The snapshot directory of `repo_id` at `revision` (default: main), holding what the
     loaders read and no weight file the checkpoint does not name."""
-    from ds4jax.model.official import read_weight_map
+    from ds4jax.weights.official import read_weight_map
 
     fetch = _fetcher(snapshot_download, repo_id, revision, download_dir)
     folder = fetch(allow_patterns=list(META_PATTERNS))

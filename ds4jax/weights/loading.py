@@ -3,7 +3,7 @@
 Reads transformers' `save_pretrained` output for `DeepseekV4ForCausalLM` (one file or
 sharded with `model.safetensors.index.json`). A missing, unknown or mis-shaped tensor is a
 `CheckpointError` naming it: a silently skipped tensor would leave random weights behind.
-The official FP8/FP4 release layout is handled by `ds4jax.model.official` through the same
+The official FP8/FP4 release layout is handled by `ds4jax.weights.official` through the same
 name table.
 """
 
@@ -20,8 +20,9 @@ import numpy as np
 from safetensors import safe_open
 
 from ds4jax.config import Config, load_config
-from ds4jax.model import names, quantized
+from ds4jax.model import quantized
 from ds4jax.model.params import Params, param_shapes, path_name
+from ds4jax.weights import names
 
 
 class CheckpointError(ValueError):

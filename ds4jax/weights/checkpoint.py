@@ -30,9 +30,9 @@ import orbax.checkpoint as ocp
 
 from ds4jax.config import CONFIG_DIR, Config
 from ds4jax.model import quantized
-from ds4jax.model.loading import CheckpointError, load_hf_checkpoint
-from ds4jax.model.official import is_official_layout, load_official_checkpoint
 from ds4jax.model.params import Params, param_shapes
+from ds4jax.weights.loading import CheckpointError, load_hf_checkpoint
+from ds4jax.weights.official import is_official_layout, load_official_checkpoint
 
 T = TypeVar("T")  # the tokenizer: whatever `load_model`'s caller's loader makes
 
@@ -259,7 +259,7 @@ def resolve_model_dir(
 ) -> Path:
     """A checkpoint directory, a named model shipped beside the named configs
     (`configs/<name>/`, e.g. `demo`), or else a Hugging Face Hub repo id `org/name`: its
-    snapshot in the Hub cache (`model.hub.snapshot`; `revision` and `download_dir` apply to
+    snapshot in the Hub cache (`weights.hub.snapshot`; `revision` and `download_dir` apply to
     it alone), fetched first when online."""
     p = Path(name_or_path)
     if p.exists():
@@ -267,7 +267,7 @@ def resolve_model_dir(
     named = CONFIG_DIR / str(name_or_path)
     if named.is_dir():
         return named
-    from ds4jax.model import hub
+    from ds4jax.weights import hub
 
     if hub.is_repo_id(str(name_or_path)):
         return hub.snapshot(str(name_or_path), revision, download_dir)

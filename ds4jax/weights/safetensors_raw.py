@@ -23,7 +23,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from ds4jax.model.loading import CheckpointError, TensorSource
+from ds4jax.weights.loading import CheckpointError, TensorSource
 
 #: safetensors dtype names → numpy dtypes (ml_dtypes for the non-numpy float formats).
 DTYPES: dict[str, np.dtype] = {

@@ -48,10 +48,10 @@ import ml_dtypes
 import numpy as np
 
 from ds4jax.config import Config, from_hf_config, load_config, to_hf_config
-from ds4jax.model import names
-from ds4jax.model.loading import CheckpointError, assemble, safetensor_files
 from ds4jax.model.params import Params, path_name
-from ds4jax.model.safetensors_raw import RawTensorSource, read_tensor, write_safetensors
+from ds4jax.weights import names
+from ds4jax.weights.loading import CheckpointError, assemble, safetensor_files
+from ds4jax.weights.safetensors_raw import RawTensorSource, read_tensor, write_safetensors
 
 FP8_BLOCK: tuple[int, int] = (128, 128)
 FP4_BLOCK = 32
