@@ -240,68 +240,74 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
             return _err(503, str(err))
         return job
 
-    async def _parsed(parse: Callable[[Any], Any]) -> tuple[Any, Any] | Response:
-        """(the body, what `parse` makes of it), or the error response: not ready (503),
-        unreadable or invalid (400)."""
+    async def _answer(
+        api: Api,
+        parse: Callable[[Any], Any],
+        request_of: Callable[[Any], MessagesRequest],
+        hint_headers: tuple[str, ...],
+        wire: Callable[[Any], Any],
+        whole: Callable[[Any, int], Callable[[Any], dict[str, Any]]],
+    ) -> Response:
+        """One API's request, the same way for all three: not ready (503); read and
+        validate (`parse`: 400 naming the field); prepare and queue (`_submit`); then the
+        stream through the API's `wire` writer, or the `whole` reply (a function of the
+        converted request and the created time)."""
         if config.state != "ready":
             return _err(503, "the model is still loading")
         try:
             body = await read_json()
-            return body, parse(body)
+            converted = parse(body)
         except RequestError as err:
             return _client_error(err)
+        req = request_of(converted)
+        hint = next((request.headers[h] for h in hint_headers if request.headers.get(h)), None)
+        job = _submit(body, req, api, hint)
+        if isinstance(job, Response):
+            return job
+        if req.stream:
+            return await _stream(job, wire(converted))
+        return await _complete(job, whole(converted, int(time.time())))
 
     @app.post("/v1/messages")
     async def messages() -> Response:
-        parsed = await _parsed(lambda b: parse_messages_request(
-            b, max_context=engine.max_len, require_max_tokens=True))  # fmt: skip
-        if isinstance(parsed, Response):
-            return parsed
-        body, req = parsed
-        job = _submit(body, req, Api.ANTHROPIC, request.headers.get("x-session-id") or None)
-        if isinstance(job, Response):
-            return job
-        msg_id = protocol.new_message_id()
-        model_name = req.model
-        if req.stream:
-            return await _stream(job, protocol.AnthropicStream(msg_id, model_name))
-        return await _complete(job, lambda r: protocol.final_message(msg_id, model_name, r))
+        mid = protocol.new_message_id()
+        return await _answer(
+            Api.ANTHROPIC,
+            lambda b: parse_messages_request(
+                b, max_context=engine.max_len, require_max_tokens=True
+            ),
+            lambda req: req,
+            ("x-session-id",),
+            lambda req: protocol.AnthropicStream(mid, req.model),
+            lambda req, _t: lambda r: protocol.final_message(mid, req.model, r),
+        )
 
     @app.post("/v1/responses")
     async def responses() -> Response:
-        parsed = await _parsed(lambda b: parse_responses_request(
-            b, max_context=engine.max_len, unseal=config.seal.open))  # fmt: skip
-        if isinstance(parsed, Response):
-            return parsed
-        body, rreq = parsed
-        hint = request.headers.get("session-id") or request.headers.get("x-session-id")
-        job = _submit(body, rreq.request, Api.RESPONSES, hint or None)
-        if isinstance(job, Response):
-            return job
         rid = responses_wire.new_id("resp_")
-        if rreq.request.stream:
-            return await _stream(job, responses_wire.ResponsesStream(rid, rreq, config.seal.seal))
-        created = int(time.time())
-        return await _complete(
-            job, lambda r: responses_wire.final_response(rid, rreq, r, config.seal.seal, created)
+        return await _answer(
+            Api.RESPONSES,
+            lambda b: parse_responses_request(
+                b, max_context=engine.max_len, unseal=config.seal.open
+            ),
+            lambda rreq: rreq.request,
+            ("session-id", "x-session-id"),
+            lambda rreq: responses_wire.ResponsesStream(rid, rreq, config.seal.seal),
+            lambda rreq, t: (
+                lambda r: responses_wire.final_response(rid, rreq, r, config.seal.seal, t)
+            ),
         )
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        parsed = await _parsed(lambda b: parse_chat_request(b, max_context=engine.max_len))
-        if isinstance(parsed, Response):
-            return parsed
-        body, creq = parsed
-        hint = request.headers.get("session-id") or request.headers.get("x-session-id")
-        job = _submit(body, creq.request, Api.CHAT, hint or None)
-        if isinstance(job, Response):
-            return job
-        cid, model_name = chat_wire.new_completion_id(), creq.request.model
-        if creq.request.stream:
-            return await _stream(job, chat_wire.ChatStream(cid, model_name, creq.include_usage))
-        created = int(time.time())
-        return await _complete(
-            job, lambda r: chat_wire.final_completion(cid, model_name, r, created)
+        cid = chat_wire.new_completion_id()
+        return await _answer(
+            Api.CHAT,
+            lambda b: parse_chat_request(b, max_context=engine.max_len),
+            lambda creq: creq.request,
+            ("session-id", "x-session-id"),
+            lambda creq: chat_wire.ChatStream(cid, creq.request.model, creq.include_usage),
+            lambda creq, t: lambda r: chat_wire.final_completion(cid, creq.request.model, r, t),
         )
 
     async def _complete(job: Job, shape: Callable[[Any], dict[str, Any]]) -> Response:

@@ -53,6 +53,7 @@ from ds4jax.chat.bodies.anthropic import (
     UserMessage,
 )
 from ds4jax.chat.bodies.common import validate
+from ds4jax.chat.bodies.openai import RefusalPart, TextPart
 from ds4jax.chat.conversation import Conversation, Message, ToolCall, ToolSchema, UserBlock
 from ds4jax.chat.dsml_parse import ParsedCall, ParsedMessage, ParsedText
 from ds4jax.chat.errors import RequestError
@@ -87,8 +88,8 @@ class MessagesRequest:
 
 
 def text_of(content: Any) -> str:
-    """A string, or validated blocks of which text counts, joined with `\\n\\n`; a part of
-    another type is the official placeholder, `[Unsupported image]`."""
+    """A string, null, or validated blocks or parts (of any API) whose text counts, joined
+    with `\\n\\n`; a part of another type is the official placeholder, `[Unsupported image]`."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -97,8 +98,10 @@ def text_of(content: Any) -> str:
 
 
 def _block_text(block: Any) -> str:
-    if isinstance(block, TextBlock):
+    if isinstance(block, TextBlock | TextPart):
         return block.text
+    if isinstance(block, RefusalPart):
+        return block.refusal
     if isinstance(block, DocumentBlock | ResultDocument):
         source = block.source
         if isinstance(source, TextSource):

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ds4jax.chat.anthropic import MessagesRequest, stop_strings, thinking_controls
+from ds4jax.chat.anthropic import MessagesRequest, stop_strings, text_of, thinking_controls
 from ds4jax.chat.bodies.common import validate
 from ds4jax.chat.bodies.openai import ChatAssistant, ChatBody, ChatInstruction, ChatUser
 from ds4jax.chat.conversation import Conversation, ToolCall
-from ds4jax.chat.openai_items import Builder, arguments_of, offered, parts_text, tools_of
+from ds4jax.chat.openai_items import Builder, arguments_of, offered, tools_of
 
 
 @dataclass
@@ -37,18 +37,18 @@ def chat_request(c: ChatBody, max_context: int | None = None) -> ChatRequest:
     b = Builder()
     for m in c.messages:
         if isinstance(m, ChatInstruction):
-            b.instruction(parts_text(m.content))
+            b.instruction(text_of(m.content))
         elif isinstance(m, ChatUser):
-            b.user_text(parts_text(m.content))
+            b.user_text(text_of(m.content))
         elif isinstance(m, ChatAssistant):
             if m.reasoning_content is not None:
                 b.reasoning(m.reasoning_content)
-            b.assistant_text(parts_text(m.content))
+            b.assistant_text(text_of(m.content))
             for call in m.tool_calls or []:
                 fn = call.function
                 b.call(ToolCall(name=fn.name, arguments=arguments_of(fn.arguments), id=call.id))
         else:
-            b.tool_output(m.tool_call_id, parts_text(m.content))
+            b.tool_output(m.tool_call_id, text_of(m.content))
 
     hint = c.prompt_cache_key or c.user
     req = MessagesRequest(

@@ -32,30 +32,10 @@ from ds4jax.chat.bodies.openai import (
     FunctionChoice,
     ModeChoice,
     Namespace,
-    RefusalPart,
     ResponsesFunction,
     Sampling,
-    TextPart,
 )
 from ds4jax.chat.conversation import Message, ToolCall, ToolSchema, UserBlock
-
-
-def parts_text(content: Any) -> str:
-    """A string, null, or validated parts whose text counts (joined with `\\n\\n`, as
-    Anthropic text blocks are); other parts (in a tool's output) are the placeholder."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    out: list[str] = []
-    for part in content:
-        if isinstance(part, TextPart):
-            out.append(part.text)
-        elif isinstance(part, RefusalPart):
-            out.append(part.refusal)
-        else:
-            out.append(f"[Unsupported {part.type}]")
-    return "\n\n".join(out)
 
 
 def arguments_of(raw: str | dict[str, Any] | None) -> Any:

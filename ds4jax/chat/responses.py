@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ds4jax.chat.anthropic import MessagesRequest, thinking_controls
+from ds4jax.chat.anthropic import MessagesRequest, text_of, thinking_controls
 from ds4jax.chat.bodies.common import validate
 from ds4jax.chat.bodies.openai import (
     CallOutputItem,
@@ -28,7 +28,7 @@ from ds4jax.chat.bodies.openai import (
     ResponsesBody,
 )
 from ds4jax.chat.conversation import Conversation, ToolCall
-from ds4jax.chat.openai_items import Builder, arguments_of, offered, parts_text, tools_of
+from ds4jax.chat.openai_items import Builder, arguments_of, offered, tools_of
 
 log = logging.getLogger("ds4jax.serve")
 
@@ -56,8 +56,8 @@ def _reasoning_text(item: ReasoningItem, where: str, unseal: Callable[[str], str
             return text
         log.warning("responses: %s.encrypted_content does not authenticate; ignored", where)
     if item.content:
-        return parts_text(item.content)
-    return parts_text(item.summary) if item.summary else ""
+        return text_of(item.content)
+    return text_of(item.summary) if item.summary else ""
 
 
 def _input(raw: str | list[Any], b: Builder, unseal: Callable[[str], str | None]) -> None:
@@ -66,7 +66,7 @@ def _input(raw: str | list[Any], b: Builder, unseal: Callable[[str], str | None]
         return
     for i, item in enumerate(raw):
         if isinstance(item, InputMessage):
-            text = parts_text(item.content)
+            text = text_of(item.content)
             if item.role in ("system", "developer"):
                 b.instruction(text)
             elif item.role == "user":
@@ -83,7 +83,7 @@ def _input(raw: str | list[Any], b: Builder, unseal: Callable[[str], str | None]
         elif isinstance(item, LocalShellCallItem):
             b.call(ToolCall(name=item.name, arguments=item.action or {}, id=item.the_id))
         elif isinstance(item, CallOutputItem):
-            b.tool_output(item.the_id, parts_text(item.output))
+            b.tool_output(item.the_id, text_of(item.output))
 
 
 def parse_responses_request(
@@ -112,7 +112,7 @@ def responses_request(
 
     b = Builder()
     if r.instructions is not None:
-        b.instruction(parts_text(r.instructions))
+        b.instruction(text_of(r.instructions))
     _input(r.input, b, unseal)
 
     key = r.prompt_cache_key
