@@ -5,6 +5,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
+# test processes (pytest-xdist): CI has 2 cores; each worker compiles its own programs
+TEST_WORKERS ?= 2
 
 .PHONY: serve test bench lint format clean
 
@@ -27,7 +29,7 @@ serve: $(VENV)/.runtime
 	$(BIN)/ds4jax serve --host $(HOST) --port $(PORT)
 
 test: $(VENV)/.test
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10
 
 bench: $(VENV)/.test
 	$(BIN)/python -m bench
