@@ -21,18 +21,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ds4jax.chat import specials
-from ds4jax.chat.dsml_parse import (
-    DSMLStreamParser,
-    Event,
-    ParsedMessage,
-    ToolUseStart,
-    collect_events,
-    find_stop,
-    stop_safe_len,
-)
+from ds4jax.chat.dsml_parse import DSMLStreamParser, find_stop, stop_safe_len
 from ds4jax.chat.ids import id_stream, new_tool_id
 from ds4jax.chat.kinds import Api, Finish
 from ds4jax.chat.segments import Segment, normalize, template
+from ds4jax.chat.turn import Event, ParsedMessage, ToolUseStart, collect_events
 from ds4jax.continuation.types import CacheSource, LiveFrontier, ThinkingBinding, ToolBinding
 
 # names for annotations only: at run time `ds4jax.engine.requests` would load the engine

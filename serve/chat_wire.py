@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ds4jax.chat.dsml_parse import TextDelta, ThinkingDelta, ToolInputDelta, ToolUseStart
 from ds4jax.chat.kinds import Finish
+from ds4jax.chat.turn import TextDelta, ThinkingDelta, ToolInputDelta, ToolUseStart
 from ds4jax.decoding import Result, TokenLogprob, ToolCallStarted
 from serve.responses_wire import KEEPALIVE, arguments_json
 

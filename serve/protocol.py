@@ -14,15 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ds4jax.chat.anthropic import response_content
-from ds4jax.chat.dsml_parse import (
-    TextDelta,
-    ThinkingDelta,
-    ToolInputDelta,
-    ToolUseStart,
-    ToolUseStop,
-)
 from ds4jax.chat.ids import new_tool_id
 from ds4jax.chat.kinds import Finish
+from ds4jax.chat.turn import TextDelta, ThinkingDelta, ToolInputDelta, ToolUseStart, ToolUseStop
 from ds4jax.engine import Result, ToolCallStarted
 
 SIGNATURE = "ds4jax"  # thinking blocks need a signature; clients send it back unchanged

@@ -18,15 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ds4jax.chat.dsml_parse import (
-    TextDelta,
-    ThinkingDelta,
-    ToolInputDelta,
-    ToolUseStart,
-    ToolUseStop,
-)
 from ds4jax.chat.kinds import Finish
 from ds4jax.chat.responses import ResponsesRequest
+from ds4jax.chat.turn import TextDelta, ThinkingDelta, ToolInputDelta, ToolUseStart, ToolUseStop
 from ds4jax.decoding import Result, ToolCallStarted
 
 

@@ -55,9 +55,9 @@ from ds4jax.chat.bodies.anthropic import (
 from ds4jax.chat.bodies.common import validate
 from ds4jax.chat.bodies.openai import RefusalPart, TextPart
 from ds4jax.chat.conversation import Conversation, Message, ToolCall, ToolSchema, UserBlock
-from ds4jax.chat.dsml_parse import ParsedCall, ParsedMessage, ParsedText
 from ds4jax.chat.errors import RequestError
 from ds4jax.chat.ids import new_tool_id
+from ds4jax.chat.turn import ParsedCall, ParsedMessage, ParsedText
 
 __all__ = ["MessagesRequest", "RequestError", "parse_messages_request", "response_content"]
 

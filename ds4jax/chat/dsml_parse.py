@@ -42,90 +42,24 @@ from __future__ import annotations
 import codecs
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
 from ds4jax.chat.specials import DSML, THINK_END, THINK_START
+from ds4jax.chat.turn import (
+    Event,
+    ParsedMessage,
+    TextDelta,
+    ThinkingDelta,
+    ToolInputDelta,
+    ToolUseStart,
+    ToolUseStop,
+    collect_events,
+)
 
-__all__ = [
-    "DSMLStreamParser",
-    "Event",
-    "ParsedCall",
-    "ParsedMessage",
-    "ParsedText",
-    "TextDelta",
-    "ThinkingDelta",
-    "ToolInputDelta",
-    "ToolUseStart",
-    "ToolUseStop",
-    "collect_events",
-    "find_stop",
-    "parse_generated",
-    "stop_safe_len",
-]
-
-
-@dataclass(frozen=True)
-class ThinkingDelta:
-    text: str
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolUseStart:
-    index: int
-    name: str
-
-
-@dataclass(frozen=True)
-class ToolInputDelta:
-    index: int
-    partial_json: str
-
-
-@dataclass(frozen=True)
-class ToolUseStop:
-    index: int
-    #: False when the call was cut short (malformed block or text ended inside it): the JSON was
-    #: closed so it parses, but the call must not be executed.
-    complete: bool = True
-
-
-Event = ThinkingDelta | TextDelta | ToolUseStart | ToolInputDelta | ToolUseStop
-
-
-@dataclass(frozen=True)
-class ParsedText:
-    text: str
-
-
-@dataclass
-class ParsedCall:
-    name: str
-    arguments: dict[str, Any]
-    complete: bool = True
-
-
-@dataclass
-class ParsedMessage:
-    reasoning: str | None
-    blocks: list[ParsedText | ParsedCall] = field(default_factory=list)
-    raw_dsml: str | None = None
-    error: str | None = None
-
-    @property
-    def content(self) -> str:
-        return "".join(b.text for b in self.blocks if isinstance(b, ParsedText))
-
-    @property
-    def tool_calls(self) -> list[ParsedCall]:
-        return [b for b in self.blocks if isinstance(b, ParsedCall)]
+__all__ = ["DSMLStreamParser", "find_stop", "parse_generated", "stop_safe_len"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -607,42 +541,6 @@ class DSMLStreamParser:
         self._error = self._error or "unterminated tool call"
         self._buf, self._i, self._raw = "", 0, []
         self._state = _State.DONE
-
-
-# ---------------------------------------------------------------------------------------------
-# Folding
-
-
-def collect_events(events: Iterable[Event], *, thinking: bool = False) -> ParsedMessage:
-    """Fold a finished parser's events; `raw_dsml` and `error` are left None (the parser has
-    them). `thinking` makes the reasoning "" rather than None when no reasoning text came."""
-    reasoning: list[str] = []
-    saw_reasoning = thinking
-    blocks: list[ParsedText | ParsedCall] = []
-    text: list[str] = []
-    calls: dict[int, tuple[str, list[str]]] = {}
-
-    def flush_text() -> None:
-        if joined := "".join(text):
-            blocks.append(ParsedText(joined))
-        text.clear()
-
-    for ev in events:
-        if isinstance(ev, ThinkingDelta):
-            reasoning.append(ev.text)
-            saw_reasoning = True
-        elif isinstance(ev, TextDelta):
-            text.append(ev.text)
-        elif isinstance(ev, ToolUseStart):
-            flush_text()
-            calls[ev.index] = (ev.name, [])
-        elif isinstance(ev, ToolInputDelta):
-            calls[ev.index][1].append(ev.partial_json)
-        elif isinstance(ev, ToolUseStop):
-            name, parts = calls.pop(ev.index)
-            blocks.append(ParsedCall(name, json.loads("".join(parts)), ev.complete))
-    flush_text()
-    return ParsedMessage("".join(reasoning) if saw_reasoning else None, blocks)
 
 
 def parse_generated(text: str, *, thinking: bool) -> ParsedMessage:

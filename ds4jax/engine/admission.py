@@ -22,9 +22,9 @@ import jax
 import numpy as np
 
 from ds4jax.chat import specials
-from ds4jax.chat.dsml_parse import Event
 from ds4jax.chat.kinds import Api
 from ds4jax.chat.segments import Segment, normalize
+from ds4jax.chat.turn import Event
 from ds4jax.continuation.pool import Route, route
 from ds4jax.continuation.types import CacheSource, Decision, LiveFrontier, Rejection, source_label
 from ds4jax.decoding import Result, RowDecoder, TokenLogprob, ToolCallStarted

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ds4jax.chat.dsml_parse import Event
 from ds4jax.chat.segments import Segment
+from ds4jax.chat.turn import Event
 from ds4jax.continuation.pool import Route, Session
 from ds4jax.continuation.types import Decision
 from ds4jax.decoding import Result, RowDecoder, TokenLogprob, ToolCallStarted

@@ -16,8 +16,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ds4jax.chat.dsml_parse import (
-    DSMLStreamParser,
+from ds4jax.chat.dsml_parse import DSMLStreamParser, find_stop, parse_generated, stop_safe_len
+from ds4jax.chat.turn import (
     Event,
     ParsedCall,
     ParsedMessage,
@@ -28,9 +28,6 @@ from ds4jax.chat.dsml_parse import (
     ToolUseStart,
     ToolUseStop,
     collect_events,
-    find_stop,
-    parse_generated,
-    stop_safe_len,
 )
 
 PROPS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
