@@ -29,7 +29,7 @@ serve: $(VENV)/.runtime
 	$(BIN)/ds4jax serve --host $(HOST) --port $(PORT)
 
 test: $(VENV)/.test
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10
 
 bench: $(VENV)/.test
 	$(BIN)/python -m bench
