@@ -262,13 +262,18 @@ _MAX_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 def _short(path: str, body: Any) -> Any:
-    """Keep replies short (a valid `max_tokens` clamped to 2; OpenAI bodies without one get
-    2): the fuzzing is of the request shapes, not of long generations."""
+    """Keep replies short: a limit over 2 clamped to 2, whole numbers written as floats
+    (`64939.0`, a JSON Schema integer) too; in an OpenAI body a null limit (the server's
+    default) or none set to 2. Else a reply runs to the context: a minute of decoding on 2
+    cores. The fuzzing is of the request shapes, not of long generations."""
     if not isinstance(body, dict):
         return body
     for key in _MAX_KEYS:
         value = body.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 2:
+        if value is None and key in body and path in OPENAI:
+            body[key] = 2
+        elif (isinstance(value, int | float) and not isinstance(value, bool) and value > 2
+              and float(value).is_integer()):  # fmt: skip
             body[key] = 2
     if path in OPENAI and not any(k in body for k in _MAX_KEYS):
         body["max_output_tokens" if path == RESPONSES else "max_tokens"] = 2
