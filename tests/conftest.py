@@ -4,9 +4,11 @@ once per run."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,3 +75,35 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
+#: session-scoped servers (tests/serve/conftest.py) that several test files use: one worker
+#: takes every file that names one, so it starts once per run rather than once on each
+#: worker (the demo server's start took 40-100 s of CPU on 2 cores)
+SHARED_SERVERS = ("demo_served", "spec_served")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@functools.cache
+def _work_unit(path: str) -> str:
+    """The file itself, or the first shared server its source names."""
+    try:
+        text = (ROOT / path).read_text()
+    except OSError:
+        return path
+    return next((s for s in SHARED_SERVERS if s in text), path)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile`, with the files that share a server as one work unit. (xdist's own
+    `loadgroup` cannot do it under pytest 9: it renames the test ids, which pytest 9 no
+    longer lets a plugin do.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesSharingServers(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(super()._split_scope(nodeid))
+
+    return FilesSharingServers(config, log)

@@ -349,6 +349,10 @@ class ServeProcess:
 
 
 _early: dict[str, Any] = {}
+#: the tiny server of test_socket.py: an API key, and a warm-up of only what its tests run
+#: (two chunk sizes, batches of up to 2: 6 programs where the defaults compile 13, over
+#: 100 s of a 2-core CI run)
+SOCKET_SERVE_ARGS = ("--api-key", SERVE_KEY, "--chunk-sizes", "16,64", "--max-batch", "2")
 #: the demo server's flags: no model flags, a session for each of six concurrent agents, a
 #: stats line every second, retained frontiers in pages
 DEMO_SERVE_ARGS = ("--sessions", "6", "--stats-interval", "1", "--paged")
@@ -400,7 +404,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     wanted = {f for item in session.items for f in getattr(item, "fixturenames", ())}
     if "served" in wanted:
-        _early["served"] = ServeProcess("--api-key", SERVE_KEY)
+        _early["served"] = ServeProcess(*SOCKET_SERVE_ARGS)
     if "demo_served" in wanted:
         _early["demo_served"] = ServeProcess(*DEMO_SERVE_ARGS, model=())
     if "served_group" in wanted:

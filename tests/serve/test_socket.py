@@ -24,6 +24,7 @@ from tests.serve.conftest import (
     MODEL,
     NO_THINK,
     SERVE_KEY,
+    SOCKET_SERVE_ARGS,
     Gate,
     ServeProcess,
     ThreadServer,
@@ -44,7 +45,7 @@ ITALIAN = "Rispondi in italiano con una frase: chi era Ada Lovelace?"
 @pytest.fixture(scope="module")
 def served() -> Iterator[ServeProcess]:
     """The server conftest started at collection time (it warmed up meanwhile)."""
-    server = take_served() or ServeProcess("--api-key", SERVE_KEY)
+    server = take_served() or ServeProcess(*SOCKET_SERVE_ARGS)
     try:
         server.wait_ready()
         yield server
@@ -154,7 +155,7 @@ def test_two_concurrent_streams_interleave(served: ServeProcess) -> None:
     merged = sorted([(t, "a") for t in a] + [(t, "b") for t in b])
     switches = sum(x[1] != y[1] for x, y in itertools.pairwise(merged))
     assert switches >= 4, switches  # their deltas interleave, not one stream then the other
-    assert "batches of up to 8" in served.stderr
+    assert "batches of up to 2" in served.stderr
 
 
 def test_sigterm_stops_the_server_cleanly(served: ServeProcess) -> None:
