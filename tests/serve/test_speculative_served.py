@@ -52,7 +52,7 @@ def responses_turn(url: str) -> tuple[str, int]:
 
 def test_speculative_serving_equals_plain_serving(spec_served: ServeProcess,
                                                   demo_served: ServeProcess) -> None:  # fmt: skip
-    assert "speculative (MTP) in steps of up to 8 rows" in spec_served.stderr
+    assert "speculative (MTP) in steps of up to 2 rows" in spec_served.stderr
     drafts0 = metric(spec_served.url, "ds4jax:speculative_drafts_total")
     for question in ("What is 123 plus 456?", "What's the weather in Lima?"):
         got = tool_loop(spec_served.url, question)
