@@ -51,24 +51,26 @@ def _release_compiled_programs():
 #: test files that take the longest (seconds of a 2-worker run, 2026-12-05), run first: the
 #: workers take whole files in collection order (`make test`: `--dist loadfile
 #: --no-loadscope-reorder`), so the long ones start early and the short ones fill the gaps
-#: at the end, instead of one long file running alone while the other worker idles
+#: at the end, instead of one long file running alone while the other worker idles. The
+#: first, test_multihost.py, brings the files sharing the demo server with it (~420 s).
 LONGEST_FIRST = (
+    "tests/serve/test_multihost.py",
+    "tests/model/test_data_shards.py",
     "tests/continuation/test_batching.py",
     "tests/model/test_sharding.py",
+    "tests/continuation/test_paged_rows.py",
+    "tests/continuation/test_speculative_engine.py",
     "tests/serve/test_socket.py",
-    "tests/serve/test_multihost.py",
-    "tests/serve/test_metrics.py",
-    "tests/model/test_data_shards.py",
-    "tests/serve/test_request_schema.py",
-    "tests/serve/test_speculative_served.py",
     "tests/test_notebook.py",
     "tests/demo/test_demo_model.py",
-    "tests/continuation/test_speculative_engine.py",
-    "tests/continuation/test_paged_rows.py",
-    "tests/continuation/test_background_saves.py",
-    "tests/serve/test_demo_served.py",
-    "tests/model/test_paged_batch.py",
+    "tests/pallas_kernels/test_kernels.py",
+    "tests/continuation/test_spans.py",
+    "tests/continuation/test_paged_frontiers.py",
+    "tests/continuation/test_logprobs.py",
     "tests/demo/test_demo_mtp.py",
+    "tests/model/test_paged_batch.py",
+    "tests/model/test_batch.py",
+    "tests/model/test_quantized.py",
 )
 
 
