@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-CACHE = Path(__file__).resolve().parent.parent / ".cache" / "xla"
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache" / "xla"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -83,7 +84,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 #: takes every file that names one, so it starts once per run rather than once on each
 #: worker (the demo server's start took 40-100 s of CPU on 2 cores)
 SHARED_SERVERS = ("demo_served", "spec_served")
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @functools.cache
