@@ -4,7 +4,6 @@ once per run."""
 
 from __future__ import annotations
 
-import functools
 import gc
 import os
 from pathlib import Path
@@ -75,37 +74,47 @@ LONGEST_FIRST = (
 )
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
-
-
-#: session-scoped servers (tests/serve/conftest.py) that several test files use: one worker
-#: takes every file that names one, so it starts once per run rather than once on each
-#: worker (the demo server's start took 40-100 s of CPU on 2 cores)
+#: the files that use a session-scoped server of `tests/serve/conftest.py` (the demo's, the
+#: speculating demo's): one worker takes them all, so each server starts once per run
+#: rather than once on each worker (the demo server's start took 40-100 s of CPU on 2
+#: cores); collection fails if another file uses one
 SHARED_SERVERS = ("demo_served", "spec_served")
+SHARING_FILES = (
+    "tests/serve/test_multihost.py",
+    "tests/serve/test_demo_served.py",
+    "tests/serve/test_logs.py",
+    "tests/serve/test_metrics.py",
+    "tests/serve/test_speculative_served.py",
+)
 
 
-@functools.cache
-def _work_unit(path: str) -> str:
-    """The file itself, or the first shared server its source names."""
-    try:
-        text = (ROOT / path).read_text()
-    except OSError:
-        return path
-    return next((s for s in SHARED_SERVERS if s in text), path)
+def _path(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        shared = set(SHARED_SERVERS) & set(getattr(item, "fixturenames", ()))
+        if shared and _path(item.nodeid) not in SHARING_FILES:
+            raise pytest.UsageError(
+                f"{item.nodeid} uses {sorted(shared)}: add its file to tests/conftest.py "
+                "SHARING_FILES, so the server is started once"
+            )
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_path(item.nodeid), len(rank)))
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`--dist loadfile`, with the files that share a server as one work unit. (xdist's own
-    `loadgroup` cannot do it under pytest 9: it renames the test ids, which pytest 9 no
-    longer lets a plugin do.)"""
+    """`--dist loadfile`, with `SHARING_FILES` as one work unit. (xdist's own `loadgroup`
+    cannot do it under pytest 9: it renames the test ids, which pytest 9 no longer lets a
+    plugin do.)"""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
     class FilesSharingServers(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return _work_unit(super()._split_scope(nodeid))
+            path = _path(nodeid)
+            return SHARING_FILES[0] if path in SHARING_FILES else path
 
     return FilesSharingServers(config, log)

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -398,6 +398,15 @@ class ServeGroup:
             f.stop()
 
 
+#: how each server the tests share starts (a fixture's kind → a new, starting server)
+STARTERS: dict[str, Callable[[], Any]] = {
+    "served": lambda: ServeProcess(*SOCKET_SERVE_ARGS),
+    "demo_served": lambda: ServeProcess(*DEMO_SERVE_ARGS, model=()),
+    "served_group": ServeGroup,
+    "spec_served": lambda: ServeProcess(*SPEC_SERVE_ARGS, model=()),
+}
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start `ds4jax serve` as soon as a selected test needs it: its ~30 s warm-up then
     overlaps the in-process tests instead of adding to them. Not under pytest-xdist: every
@@ -405,40 +414,36 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
     wanted = {f for item in session.items for f in getattr(item, "fixturenames", ())}
-    if "served" in wanted:
-        _early["served"] = ServeProcess(*SOCKET_SERVE_ARGS)
-    if "demo_served" in wanted:
-        _early["demo_served"] = ServeProcess(*DEMO_SERVE_ARGS, model=())
-    if "served_group" in wanted:
-        _early["served_group"] = ServeGroup()
-    if "spec_served" in wanted:
-        _early["spec_served"] = ServeProcess(*SPEC_SERVE_ARGS, model=())
+    for kind, start in STARTERS.items():
+        if kind in wanted:
+            _early[kind] = start()
 
 
 def take_served(kind: str = "served") -> Any:
-    return _early.pop(kind, None)
+    """The `kind` of server: the one started at collection, else a new one."""
+    return _early.pop(kind, None) or STARTERS[kind]()
+
+
+def serving(kind: str) -> Iterator[Any]:
+    """A fixture's body: the `kind` of server, ready, stopped after its last test."""
+    server = take_served(kind)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")
 def demo_served() -> Iterator[ServeProcess]:
     """`ds4jax serve` with no model flags: the trained demo, on one device."""
-    server = take_served("demo_served") or ServeProcess(*DEMO_SERVE_ARGS, model=())
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
+    yield from serving("demo_served")
 
 
 @pytest.fixture(scope="session")
 def spec_served() -> Iterator[ServeProcess]:
     """`ds4jax serve --speculative mtp` on the trained demo."""
-    server = take_served("spec_served") or ServeProcess(*SPEC_SERVE_ARGS, model=())
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
+    yield from serving("spec_served")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -18,7 +18,7 @@ import jax
 import pytest
 
 from ds4jax.demo.corpus import TOOLS, run_tool
-from tests.serve.conftest import GROUP_MESH, ServeGroup, ServeProcess, take_served
+from tests.serve.conftest import GROUP_MESH, ServeGroup, ServeProcess, serving
 from tests.serve.metrics_scrape import scrape
 
 LIVE_LINE = "anthropic live continuation match=tool-output-ids ids=1"
@@ -26,12 +26,7 @@ LIVE_LINE = "anthropic live continuation match=tool-output-ids ids=1"
 
 @pytest.fixture(scope="module")
 def served_group() -> Iterator[ServeGroup]:
-    group = take_served("served_group") or ServeGroup()
-    try:
-        group.wait_ready()
-        yield group
-    finally:
-        group.stop()
+    yield from serving("served_group")
 
 
 def tool_loop(url: str, question: str) -> list[dict[str, Any]]:

@@ -24,7 +24,6 @@ from tests.serve.conftest import (
     MODEL,
     NO_THINK,
     SERVE_KEY,
-    SOCKET_SERVE_ARGS,
     Gate,
     ServeProcess,
     ThreadServer,
@@ -32,7 +31,7 @@ from tests.serve.conftest import (
     assert_cold_equivalent,
     force,
     make_app,
-    take_served,
+    serving,
     user,
     wait_idle,
     wait_until,
@@ -45,12 +44,7 @@ ITALIAN = "Rispondi in italiano con una frase: chi era Ada Lovelace?"
 @pytest.fixture(scope="module")
 def served() -> Iterator[ServeProcess]:
     """The server conftest started at collection time (it warmed up meanwhile)."""
-    server = take_served() or ServeProcess(*SOCKET_SERVE_ARGS)
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
+    yield from serving("served")
 
 
 @pytest.fixture
