@@ -211,15 +211,6 @@ def pack_fp4(codes: np.ndarray) -> np.ndarray:
     return (c[:, 0::2] | (c[:, 1::2] << 4)).view(np.int8)
 
 
-def unpack_fp4(packed: np.ndarray) -> np.ndarray:
-    """int8/uint8 [out, in/2] → E2M1 codes uint8 [out, in] (inverse of `pack_fp4`)."""
-    b = packed.view(np.uint8)
-    codes = np.empty((b.shape[0], 2 * b.shape[1]), np.uint8)
-    codes[:, 0::2] = b & 0x0F
-    codes[:, 1::2] = b >> 4
-    return codes
-
-
 def quantize_fp4(
     w: np.ndarray, block: int = FP4_BLOCK, scale_format: str = "e8m0"
 ) -> tuple[np.ndarray, np.ndarray]:
