@@ -21,16 +21,14 @@ from ds4jax.continuation.types import CacheSource
 from ds4jax.engine import Engine, SamplingParams
 from ds4jax.engine.ticket import Ticket
 from ds4jax.interleave import chunk_limit
-from tests.continuation.conftest import TOOLS, forced, tool_call_text
+from tests.continuation.conftest import TOOLS, forced, like, tool_call_text
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
 def batch_engine(_engine: Engine) -> Engine:
-    return Engine(_engine.cfg, _engine.params, _engine.tokenizer, max_len=_engine.max_len,
-                  chunk_sizes=_engine.chunk_sizes, sessions=6, fork_points=True,
-                  max_batch=4)  # fmt: skip
+    return like(_engine, sessions=6, fork_points=True, max_batch=4)
 
 
 def fresh(engine: Engine) -> Engine:

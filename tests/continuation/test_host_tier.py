@@ -16,6 +16,7 @@ from ds4jax.continuation.pool import Pool, Session, host_bytes, host_victims
 from ds4jax.continuation.types import Bindings, CacheSource, LiveFrontier, ToolBinding
 from ds4jax.engine import Engine, EngineError
 from ds4jax.kvstore.host import HostState
+from tests.continuation.conftest import like
 from tests.continuation.test_sessions import (
     SYSTEM,
     fresh,
@@ -70,8 +71,7 @@ def engines(_engine: Engine) -> tuple[Engine, Engine]:
     e = _engine
 
     def make(**kw) -> Engine:
-        return Engine(e.cfg, e.params, e.tokenizer, max_len=e.max_len, chunk_sizes=e.chunk_sizes,
-                      sessions=3, fork_points=True, max_batch=2, **kw)  # fmt: skip
+        return like(e, sessions=3, fork_points=True, max_batch=2, **kw)
 
     return make(), make(host_budget_bytes=64 * e.state_nbytes)
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from ds4jax.engine import Engine, EngineError
 from ds4jax.kvstore.pages import pages_for
 from ds4jax.model.page_io import PagedFrontier
-from tests.continuation.conftest import TOOLS
+from tests.continuation.conftest import TOOLS, like
 from tests.continuation.test_sessions import (
     SYSTEM,
     fresh,
@@ -27,8 +27,7 @@ from tests.continuation.test_sessions import (
 def engines(_engine: Engine) -> tuple[Engine, Engine]:
     def make(**kw) -> Engine:
         e = _engine
-        return Engine(e.cfg, e.params, e.tokenizer, max_len=e.max_len, chunk_sizes=e.chunk_sizes,
-                      sessions=6, fork_points=True, **kw)  # fmt: skip
+        return like(e, sessions=6, fork_points=True, **kw)
 
     return make(), make(paged_pages=512)
 

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from ds4jax.chat.anthropic import parse_messages_request
 from ds4jax.continuation.types import LIVE_GONE_MESSAGE, CacheSource
 from ds4jax.engine import Engine, EngineError, Prepared, Result, SamplingParams
-from tests.continuation.conftest import TOOLS, forced
+from tests.continuation.conftest import TOOLS, forced, like
 
 SYSTEM = "You are one of several agents working on the same repository."
 GREEDY = SamplingParams(temperature=0.0)
@@ -178,8 +178,7 @@ def test_the_budget_counts_what_a_state_really_holds(_engine):
 
 def test_a_budget_smaller_than_one_state_is_refused(_engine):
     with pytest.raises(ValueError, match="holds no state"):
-        Engine(_engine.cfg, _engine.params, _engine.tokenizer, max_len=_engine.max_len,
-               state_budget_bytes=10)  # fmt: skip
+        like(_engine, state_budget_bytes=10)
 
 
 # ------------------------------------------------------------------ interleavings

@@ -7,7 +7,6 @@ serving and the refused request, retried once there is room, is answered."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import anthropic
 import pytest
@@ -15,6 +14,7 @@ import pytest
 from ds4jax.engine import Engine
 from serve.app import RETRY_AFTER_S
 from serve.worker import EngineWorker
+from tests.continuation.conftest import like
 from tests.serve.conftest import MODEL, NO_THINK, TOOLS, ThreadServer, dsml_call, force, make_app
 from tests.serve.metrics_scrape import scrape
 
@@ -36,16 +36,11 @@ def _served(engine: Engine) -> Iterator[Served]:
         worker.stop()
 
 
-def _like(e: Engine, **kw: Any) -> Engine:
-    return Engine(e.cfg, e.params, e.tokenizer, max_len=e.max_len, chunk_sizes=e.chunk_sizes,
-                  **kw)  # fmt: skip
-
-
 @pytest.fixture
 def host_tier(_engine: Engine) -> Iterator[Served]:
     """Room on the device for one state, in host RAM for four."""
     one = _engine.state_nbytes
-    yield from _served(_like(_engine, sessions=3, state_budget_bytes=one,
+    yield from _served(like(_engine, sessions=3, state_budget_bytes=one,
                              host_budget_bytes=4 * one))  # fmt: skip
 
 
@@ -84,7 +79,7 @@ def test_an_evicted_session_waits_in_host_ram_and_its_tool_result_continues_it_l
 @pytest.fixture
 def four_pages(_engine: Engine) -> Iterator[Served]:
     """A paged store of four pages: a 700-token prompt's frontiers and reply fill it."""
-    yield from _served(_like(_engine, sessions=2, fork_points=True, paged_pages=4))
+    yield from _served(like(_engine, sessions=2, fork_points=True, paged_pages=4))
 
 
 def test_a_request_no_page_can_be_found_for_is_a_529_and_the_server_goes_on(
