@@ -108,7 +108,7 @@ def test_a_prompt_that_arrives_while_rows_decode_rides_in_their_steps(batch_engi
     e = batch_engine
     engine = Engine(e.cfg, e.params, e.tokenizer, max_len=e.max_len, chunk_sizes=(4, 16, 64),
                     sessions=6, fork_points=True, max_batch=4, stall_bound=2.0,
-                    paged_pages=64 if paged else None)  # fmt: skip
+                    paged_pages=256 if paged else None)  # fmt: skip
     long_text = " ".join(f"Rule {i}: keep the tree tidy." for i in range(40))
 
     def advances(ticket: Ticket) -> list[tuple[int, int]]:

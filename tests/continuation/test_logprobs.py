@@ -163,7 +163,7 @@ def test_more_than_twenty_is_refused(dense) -> None:
 
 
 def test_paged_rows_report_the_dense_rows_entries(dense) -> None:
-    paged = like(dense, sessions=4, max_batch=4, paged_pages=64)
+    paged = like(dense, sessions=4, max_batch=4, paged_pages=256)
     req = prepared(dense, TEXT, 6, sampling=GREEDY5)
     (want,), _ = run(dense, req)
     (got,), _ = run(paged, prepared(paged, TEXT, 6, sampling=GREEDY5))

@@ -29,7 +29,7 @@ def engines(_engine: Engine) -> tuple[Engine, Engine]:
         e = _engine
         return like(e, sessions=6, fork_points=True, **kw)
 
-    return make(), make(paged_pages=512)
+    return make(), make(paged_pages=256)
 
 
 @settings(max_examples=4, deadline=None, derandomize=True,
