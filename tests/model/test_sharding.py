@@ -29,8 +29,12 @@ SCRIPT = textwrap.dedent(
                        num_experts=8, quant_sim=False)
     params = init_params(cfg, seed=7)
     toks = np.random.default_rng(2).integers(0, cfg.vocab_size, 40)
-    one_dev = jax.device_put(params, jax.devices()[0])
-    _, ref = prefill(one_dev, init_state(cfg, 64), toks, cfg, chunk_sizes=(16,), all_logits=True)
+    one = lambda x: jax.device_put(x, jax.devices()[0])
+    one_dev = one(params)
+    # (a committed state, as every later one-device prefill here: an uncommitted one compiles
+    # a program of its own)
+    _, ref = prefill(one_dev, one(init_state(cfg, 64)), toks, cfg, chunk_sizes=(16,),
+                     all_logits=True)
 
     mesh = make_mesh(expert=2, tensor=4)
     sharded = shard_params(params, cfg, mesh)
@@ -51,7 +55,9 @@ SCRIPT = textwrap.dedent(
 
     with jax.set_mesh(mesh):
         _, out = prefill(sharded, state, toks, cfg, chunk_sizes=(16,), all_logits=True)
-        hlo = forward_chunk.lower(sharded, state, toks[:16], np.int32(16), cfg=cfg,
+        # the chunk as prefill passes it (its count a Python int: a weakly typed scalar),
+        # so this is the program prefill just compiled, not another
+        hlo = forward_chunk.lower(sharded, state, np.asarray(toks[:16], np.int32), 16, cfg=cfg,
                                   all_logits=True).compile().as_text()
     err = float(np.abs(np.asarray(out) - np.asarray(ref)).max())
     print("ep_max_err", err)
@@ -85,7 +91,6 @@ SCRIPT = textwrap.dedent(
                       np.int32(1), cfg=cfg, size=2)
         return out[0].logits, out[1]
 
-    one = lambda x: jax.device_put(x, jax.devices()[0])
     ref_logits, ref_tokens = step(one_dev, batch_of(one_dev, one))
     logits, tokens = step(sharded, batch_of(sharded, lambda x: jax.device_put(x, replicated(mesh))))
     assert tokens.tolist() == ref_tokens.tolist()
