@@ -55,9 +55,7 @@ SCRIPT = textwrap.dedent(
 
     with jax.set_mesh(mesh):
         _, out = prefill(sharded, state, toks, cfg, chunk_sizes=(16,), all_logits=True)
-        # the chunk as prefill passes it (its count a Python int: a weakly typed scalar),
-        # so this is the program prefill just compiled, not another
-        hlo = forward_chunk.lower(sharded, state, np.asarray(toks[:16], np.int32), 16, cfg=cfg,
+        hlo = forward_chunk.lower(sharded, state, toks[:16], np.int32(16), cfg=cfg,
                                   all_logits=True).compile().as_text()
     err = float(np.abs(np.asarray(out) - np.asarray(ref)).max())
     print("ep_max_err", err)
