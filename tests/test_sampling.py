@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds4jax.sampling import NUCLEUS_CANDIDATES, argmax, keep_rows, sample, sample_rows
+from ds4jax.sampling import (
+    NUCLEUS_CANDIDATES,
+    argmax,
+    keep_rows,
+    prob_rows,
+    sample,
+    sample_rows,
+)
 
 V = 129280
 
@@ -72,6 +79,8 @@ def test_sample_respects_top_k_top_p_and_min_p() -> None:
 
 
 _argmax = jax.jit(argmax)
+# jitted once: called eagerly, each call traced and compiled sample_rows' `cond` anew
+_sample_rows, _prob_rows = jax.jit(sample_rows), jax.jit(prob_rows)
 
 
 @settings(max_examples=60, deadline=None)
@@ -103,10 +112,6 @@ def test_a_kept_or_rejected_draft_leaves_the_rows_distribution(filters) -> None:
     point-mass draft d: keep d with `prob_rows`' probability, else draw with d banned. The
     token that comes out is distributed as `sample_rows` draws it, for a likely draft, an
     unlikely one and one the filters drop (40,000 draws; 4σ ≤ 0.01)."""
-    from ds4jax.sampling import prob_rows
-
-    # jitted once: called eagerly, each call traced and compiled sample_rows' `cond` anew
-    sample_rows_, prob_rows_ = jax.jit(sample_rows), jax.jit(prob_rows)
     logits = jnp.asarray([2.0, 1.5, 1.0, 0.2, -0.5, -1.0, 0.7, 1.2])
     B = 40_000
     rows = jnp.broadcast_to(logits, (B, logits.shape[0]))
@@ -117,13 +122,13 @@ def test_a_kept_or_rejected_draft_leaves_the_rows_distribution(filters) -> None:
         jnp.full(B, filters.get("min_p", 0.0), jnp.float32),
     )
     keys = jax.random.split(jax.random.key(3), 2 * B)
-    want = np.bincount(np.asarray(sample_rows_(rows, keys[:B], *args)), minlength=8) / B
+    want = np.bincount(np.asarray(_sample_rows(rows, keys[:B], *args)), minlength=8) / B
     for d in (0, 2, 5):
         draft = jnp.full(B, d, jnp.int32)
-        p = prob_rows_(rows, draft, *args)
+        p = _prob_rows(rows, draft, *args)
         u = jax.vmap(jax.random.uniform)(jax.random.split(jax.random.key(d), B))
         kept = u < p
-        y = sample_rows_(rows, keys[B:], *args, ban=jnp.where(kept, -1, draft))
+        y = _sample_rows(rows, keys[B:], *args, ban=jnp.where(kept, -1, draft))
         out = np.asarray(jnp.where(kept, draft, y))
         got = np.bincount(out, minlength=8) / B
         assert np.abs(got - want).max() < 0.01, (d, got, want)

@@ -419,14 +419,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             _early[kind] = start()
 
 
-def take_served(kind: str = "served") -> Any:
-    """The `kind` of server: the one started at collection, else a new one."""
-    return _early.pop(kind, None) or STARTERS[kind]()
-
-
 def serving(kind: str) -> Iterator[Any]:
-    """A fixture's body: the `kind` of server, ready, stopped after its last test."""
-    server = take_served(kind)
+    """A fixture's body: the `kind` of server (the one started at collection, else a new
+    one), ready, stopped after its last test."""
+    server = _early.pop(kind, None) or STARTERS[kind]()
     try:
         server.wait_ready()
         yield server
