@@ -16,6 +16,11 @@ CACHE = ROOT / ".cache" / "xla"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+#: XLA's backend optimizations off (LLVM's passes over each compiled kernel), for this process and
+#: every subprocess tests start: most of the suite's time is compiling programs that then run
+#: a few times (−35% compile CPU for the tiny model's programs, which run ~3× slower). The HLO
+#: passes still run; the modules marked `optimized` compile as served (`_xla_optimizations`).
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 
 #: memory mappings past which the compiled programs are dropped: Linux refuses new ones at
@@ -46,6 +51,22 @@ def _release_compiled_programs():
 
         jax.clear_caches()
         gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _xla_optimizations(request: pytest.FixtureRequest) -> Any:
+    """XLA's optimizations on for a module marked `optimized` (its tolerances were set on the
+    programs as served, or its programs run long enough to repay the compile). Compiled
+    programs stay in memory keyed by their inputs alone, so on a switch they are dropped: a
+    module gets its own kind of program (the persistent cache keys the two apart)."""
+    import jax
+
+    off = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1"
+    want = off and request.node.get_closest_marker("optimized") is None
+    if jax.config.read("jax_disable_most_optimizations") != want:
+        jax.clear_caches()
+        jax.config.update("jax_disable_most_optimizations", want)
+    yield
 
 
 #: test files that take the longest (seconds of a 2-worker run, 2026-12-05), run first: the

@@ -23,6 +23,10 @@ from ds4jax.model.params import init_params
 from ds4jax.model.state import init_state
 from tests.model.conftest import small_config
 
+#: its tolerance for FP8 rounding flips between prefill and decode was set on the programs as
+#: served; compiled unoptimized, 16 of 512 logits moved by > 1e-3 where 3% is allowed
+pytestmark = pytest.mark.optimized
+
 N = 83
 CAP = 512
 
