@@ -27,6 +27,9 @@ from tests.continuation.test_sessions import (
     tool_call_and_follow,
 )
 
+#: many steps of a few programs: compiled as served (`tests/conftest.py`)
+pytestmark = pytest.mark.optimized
+
 # ------------------------------------------------------------------ pure: no model
 
 

@@ -64,6 +64,9 @@ from ds4jax.continuation.types import (
 from ds4jax.engine import Engine, EngineError, Result
 from tests.continuation.conftest import TOOLS, prepare
 
+#: many request sequences on a few programs: compiled as served (`tests/conftest.py`)
+pytestmark = pytest.mark.optimized
+
 EOS = specials.EOS
 NORMAL_MAX_TOKENS = 200
 

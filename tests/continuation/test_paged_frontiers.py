@@ -22,6 +22,9 @@ from tests.continuation.test_sessions import (
     same_outcomes,
 )
 
+#: many steps of a few programs: compiled as served (`tests/conftest.py`)
+pytestmark = pytest.mark.optimized
+
 
 @pytest.fixture(scope="module")
 def engines(_engine: Engine) -> tuple[Engine, Engine]:

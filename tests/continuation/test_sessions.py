@@ -27,6 +27,9 @@ from ds4jax.continuation.types import LIVE_GONE_MESSAGE, CacheSource
 from ds4jax.engine import Engine, EngineError, Prepared, Result, SamplingParams
 from tests.continuation.conftest import TOOLS, forced, like
 
+#: many steps of a few programs: compiled as served (`tests/conftest.py`)
+pytestmark = pytest.mark.optimized
+
 SYSTEM = "You are one of several agents working on the same repository."
 GREEDY = SamplingParams(temperature=0.0)
 STEPS = ["next", "next", "retry", "side", "refused"]

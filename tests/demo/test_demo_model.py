@@ -15,6 +15,9 @@ from ds4jax.demo.train import DEMO_DIR
 from ds4jax.engine import Engine
 from ds4jax.weights.checkpoint import load_model
 
+#: its held-out evaluation decodes long: compiled as served (`tests/conftest.py`)
+pytestmark = pytest.mark.optimized
+
 N = 50
 
 
