@@ -14,7 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "xla"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
+# (compiled unoptimized, below, most programs take under the served default's one second: a
+# program another process or a later module needs again comes from the cache)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 #: XLA's backend optimizations off (LLVM's passes over each compiled kernel), for this process and
 #: every subprocess tests start: most of the suite's time is compiling programs that then run

@@ -12,12 +12,16 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from ds4jax.model.forward import mtp_chunk
 from ds4jax.model.params import init_params, param_shapes
 from ds4jax.model.state import init_state
 from ds4jax.weights.loading import load_hf_checkpoint
 from tests.model import hf_reference
+
+#: the independent reference checks the programs as served (`tests/conftest.py`)
+pytestmark = pytest.mark.optimized
 
 BLOCK = dict(hf_reference.BASE, num_hidden_layers=1, layer_types=["sliding_attention"],
              mlp_layer_types=["moe"])  # fmt: skip
