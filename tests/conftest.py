@@ -14,15 +14,15 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "xla"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE))
-# (compiled unoptimized, below, most programs take under the served default's one second: a
-# program another process or a later module needs again comes from the cache)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 #: XLA's backend optimizations off (LLVM's passes over each compiled kernel), for this process and
 #: every subprocess tests start: most of the suite's time is compiling programs that then run
 #: a few times (−35% compile CPU for the tiny model's programs, which run ~3× slower). The HLO
 #: passes still run; the modules marked `optimized` compile as served (`_xla_optimizations`).
+#: `JAX_DISABLE_MOST_OPTIMIZATIONS=0 make test` compiles the whole suite as served.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+UNOPTIMIZED = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in ("1", "true", "yes", "on")
 
 
 #: memory mappings past which the compiled programs are dropped: Linux refuses new ones at
@@ -63,8 +63,7 @@ def _xla_optimizations(request: pytest.FixtureRequest) -> Any:
     module gets its own kind of program (the persistent cache keys the two apart)."""
     import jax
 
-    off = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1"
-    want = off and request.node.get_closest_marker("optimized") is None
+    want = UNOPTIMIZED and request.node.get_closest_marker("optimized") is None
     if jax.config.read("jax_disable_most_optimizations") != want:
         jax.clear_caches()
         jax.config.update("jax_disable_most_optimizations", want)
