@@ -126,6 +126,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(_path(item.nodeid), len(rank)))
 
 
+@pytest.hookimpl(optionalhook=True)  # (a run without xdist: `-p no:xdist`)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`--dist loadfile`, with `SHARING_FILES` as one work unit. (xdist's own `loadgroup`
     cannot do it under pytest 9: it renames the test ids, which pytest 9 no longer lets a
