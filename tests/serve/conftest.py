@@ -349,13 +349,22 @@ class ServeProcess:
 
 
 _early: dict[str, Any] = {}
+#: the servers the tests start decode without `--stall-bound` (`NO_MIXED`): their tests send
+#: prompts one at a time or do not look at how a prompt shares the steps of decoding rows
+#: (the engine's tests do: test_batching), and each batch size's mixed step doubled what
+#: their warm-ups compiled (CPU to ready, alone, empty cache: the demo server's, as below,
+#: 107 → 51 s; the group's two processes 71 → 54 s; test_socket's 57 → 33 s)
+NO_MIXED = ("--stall-bound", "0")
 #: the tiny server of test_socket.py: an API key, and a warm-up of only what its tests run
-#: (two chunk sizes, batches of up to 2: 6 programs where the defaults compile 13, over
-#: 100 s of a 2-core CI run)
-SOCKET_SERVE_ARGS = ("--api-key", SERVE_KEY, "--chunk-sizes", "16,64", "--max-batch", "2")
-#: the demo server's flags: no model flags, a session for each of six concurrent agents, a
-#: stats line every second, retained frontiers in pages
-DEMO_SERVE_ARGS = ("--sessions", "6", "--stats-interval", "1", "--paged")
+#: (two chunk sizes, batches of up to 2 without mixed steps: 4 programs where the defaults
+#: compile 13, over 100 s of a 2-core CI run)
+SOCKET_SERVE_ARGS = ("--api-key", SERVE_KEY, "--chunk-sizes", "16,64", "--max-batch", "2",
+                     *NO_MIXED)  # fmt: skip
+#: the demo server's flags: no model flags, a session for each of six concurrent agents (in
+#: batches of up to 4: the default 8 only adds a step program no test needs), a stats line
+#: every second, retained frontiers in pages
+DEMO_SERVE_ARGS = ("--sessions", "6", "--max-batch", "4", "--stats-interval", "1", "--paged",
+                   *NO_MIXED)  # fmt: skip
 #: the demo server compiles as served (the suite's processes do not, `tests/conftest.py`):
 #: its six agents decode long on a few programs
 AS_SERVED = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}
@@ -363,14 +372,14 @@ AS_SERVED = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}
 #: tests send one request at a time, and the default batches of 8 only added 4 programs to
 #: its warm-up (about 40 s of CPU on 2 cores)
 SPEC_SERVE_ARGS = ("--speculative", "mtp", "--speculative-max-batch", "2", "--max-batch", "2",
-                   "--mesh", "none", "--stats-interval", "1")  # fmt: skip
+                   "--mesh", "none", "--stats-interval", "1", *NO_MIXED)  # fmt: skip
 #: the multi-host group: two processes of 4 CPU devices each, one 4×2 mesh over all 8 with
 #: sessions' pages split along data (issue 28: shards 0-1 on process 0's devices, 2-3 on
 #: process 1's), a row on each shard (the chunk sizes the tests' prompts are cut into, as
 #: with the default ones: 256 would only add a compile)
 GROUP_MESH = "data=4,expert=2"
 GROUP_ARGS = ("--paged", "--mesh", GROUP_MESH, "--sessions", "2", "--max-batch", "4",
-              "--chunk-sizes", "4,16,64,512")  # fmt: skip
+              "--chunk-sizes", "4,16,64,512", *NO_MIXED)  # fmt: skip
 
 
 class ServeGroup:

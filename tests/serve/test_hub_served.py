@@ -8,7 +8,7 @@ from pathlib import Path
 import anthropic
 
 from tests.fake_hub import cache_release, write_release
-from tests.serve.conftest import ServeProcess
+from tests.serve.conftest import NO_MIXED, ServeProcess
 
 REPO_ID = "tiny-org/tiny-v4"
 REVISION = "release-1"
@@ -19,7 +19,8 @@ def test_serve_a_cached_repo_by_its_id_offline(tmp_path: Path) -> None:
     cache_release(cache, REPO_ID, write_release(tmp_path / "release"), ref=REVISION)
     server = ServeProcess(
         "--revision", REVISION, "--chunk-sizes", "16", "--max-batch", "1", "--sessions", "1",
-        model=("--model", REPO_ID), env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"},
+        *NO_MIXED, model=("--model", REPO_ID),
+        env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     try:
         server.wait_ready()
