@@ -195,9 +195,8 @@ SCRIPT = textwrap.dedent(
 
 
 def test_paged_step_with_the_pool_split_along_data_equals_one_device() -> None:
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
-    )
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, text=True,
                           capture_output=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -264,9 +264,8 @@ ENGINE_DISK_SCRIPT = textwrap.dedent(
 
 
 def test_eight_device_mesh_matches_one_device() -> None:
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
-    )
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     # the two halves run at once: each mostly waits on single-threaded XLA compiles
     procs = [
         subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env,

@@ -41,6 +41,7 @@ from ds4jax.engine import Engine
 from ds4jax.model.params import init_params
 from serve.app import ServerConfig, create_app
 from serve.worker import EngineWorker
+from tests.conftest import SERVED_XLA_FLAGS
 from tests.continuation.conftest import TOOLS, forced, tool_call_text
 
 __all__ = ["TOOLS", "forced", "tool_call_text"]
@@ -367,7 +368,7 @@ DEMO_SERVE_ARGS = ("--sessions", "6", "--max-batch", "4", "--stats-interval", "1
                    *NO_MIXED)  # fmt: skip
 #: the demo server compiles as served (the suite's processes do not, `tests/conftest.py`):
 #: its six agents decode long on a few programs
-AS_SERVED = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}
+AS_SERVED = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "0", "XLA_FLAGS": SERVED_XLA_FLAGS}
 #: the demo speculating with its MTP block in every step (issue 29), of up to 2 rows: its
 #: tests send one request at a time, and the default batches of 8 only added 4 programs to
 #: its warm-up (about 40 s of CPU on 2 cores)
@@ -390,7 +391,10 @@ class ServeGroup:
         self.kv_dir = tempfile.mkdtemp(prefix="ds4jax-group-kv-")
         group = ("--coordinator", f"127.0.0.1:{free_port()}", "--num-processes",
                  str(processes), "--kv-disk-dir", self.kv_dir)  # fmt: skip
-        env = {"JAX_NUM_CPU_DEVICES": str(devices_each), "XLA_FLAGS": "",
+        # (JAX_NUM_CPU_DEVICES, not a forced device count in XLA_FLAGS)
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_force_host_platform_device_count")]  # fmt: skip
+        env = {"JAX_NUM_CPU_DEVICES": str(devices_each), "XLA_FLAGS": " ".join(flags),
                "DS4JAX_HEARTBEAT_TIMEOUT_S": "15"}  # fmt: skip
         # followers first: the leader's HTTP port is the one tests use
         self.followers = [
