@@ -170,19 +170,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 "SHARING_FILES, so the server is started once"
             )
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-
-    def order(item: pytest.Item) -> tuple[bool, bool, int]:
-        """The files sharing servers (their servers start first), then the `optimized` ones
-        together, then the rest, each longest first: a worker that goes from one kind of
-        module to the other drops its compiled programs (`_xla_optimizations`), and its
-        next module traces and compiles again what the shared engines had (one such switch
-        cost test_errors.py 6.4 s), so each worker switches about twice, not after each
-        optimized module wherever it fell."""
-        path = _path(item.nodeid)
-        optimized = item.get_closest_marker("optimized") is not None
-        return path not in SHARING_FILES, not optimized, rank.get(path, len(rank))
-
-    items.sort(key=order)
+    items.sort(key=lambda item: rank.get(_path(item.nodeid), len(rank)))
 
 
 @pytest.hookimpl(optionalhook=True)  # (a run without xdist: `-p no:xdist`)
