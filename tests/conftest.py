@@ -22,15 +22,25 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 #: passes still run; the modules marked `optimized` compile as served (`_xla_optimizations`).
 #: `JAX_DISABLE_MOST_OPTIMIZATIONS=0 make test` compiles the whole suite as served.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-UNOPTIMIZED = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in ("1", "true", "yes", "on")
+import jax  # noqa: E402 (after the environment it reads)
+
+UNOPTIMIZED: bool = jax.config.read("jax_disable_most_optimizations")
 
 #: XLA:CPU's older kernel emitters, for unoptimized programs only: one tiny engine's warm-up
 #: compiled unoptimized in 4.2 s of XLA time instead of 5.4 s (−22%, its programs no slower),
 #: where optimized ones took 10.9 s instead of 8.2 s — so the programs of `optimized` modules
 #: and of the demo server keep the emitters they are served with (`_emitters_follow`).
 EMITTERS = "xla_cpu_use_fusion_emitters"
+OLDER_EMITTERS_FLAG = f"--{EMITTERS}=false"
 #: `XLA_FLAGS` as the suite found it, for the processes tests start to compile as served
-SERVED_XLA_FLAGS = os.environ.get("XLA_FLAGS", "").replace(f"--{EMITTERS}=false", "").strip()
+SERVED_XLA_FLAGS = os.environ.get("XLA_FLAGS", "").replace(OLDER_EMITTERS_FLAG, "").strip()
+
+
+def forced_devices_env(count: int = 8) -> dict[str, str]:
+    """The environment of a script that needs `count` CPU devices in one process: this one's,
+    with the forced device count added to (not in place of) its XLA_FLAGS."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
+    return dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
 
 
 def _emitters_follow() -> bool:
@@ -40,7 +50,6 @@ def _emitters_follow() -> bool:
     them). The processes tests start (servers, CLI runs, 8-device scripts) compile
     unoptimized throughout, so for them it is their `XLA_FLAGS`. False, and nothing changed,
     where this jaxlib has no such option (a later XLA may drop it) or JAX no such hook."""
-    import jax
     import jax.numpy as jnp
     from jax._src import compiler
 
@@ -49,7 +58,7 @@ def _emitters_follow() -> bool:
         return original is not None
     # this process's default (its XLA_FLAGS, read as the probe starts the backend): a program
     # compiled with it has the same cache key as in the processes tests start
-    older = f"--{EMITTERS}=false" in os.environ.get("XLA_FLAGS", "")
+    older = OLDER_EMITTERS_FLAG in os.environ.get("XLA_FLAGS", "")
     try:
         jax.jit(jnp.negative).lower(jnp.zeros(1)).compile(compiler_options={EMITTERS: False})
     except Exception:  # an unknown option: XLA would abort on it in XLA_FLAGS
@@ -69,7 +78,7 @@ def _emitters_follow() -> bool:
 
 
 if UNOPTIMIZED and _emitters_follow():
-    os.environ["XLA_FLAGS"] = f"{SERVED_XLA_FLAGS} --{EMITTERS}=false".strip()
+    os.environ["XLA_FLAGS"] = f"{SERVED_XLA_FLAGS} {OLDER_EMITTERS_FLAG}".strip()
 
 
 #: memory mappings past which the compiled programs are dropped: Linux refuses new ones at

@@ -10,7 +10,7 @@ import jax
 import pytest
 from jax._src import compiler
 
-from tests.conftest import EMITTERS, UNOPTIMIZED
+from tests.conftest import EMITTERS, OLDER_EMITTERS_FLAG, UNOPTIMIZED
 
 
 def test_an_unmarked_module_compiles_unoptimized() -> None:
@@ -30,7 +30,7 @@ def older_emitters() -> bool:
 def test_only_unoptimized_programs_take_the_older_emitters() -> None:
     assert getattr(compiler.get_compile_options, "emitters_follow", False)
     assert older_emitters()
-    assert f"--{EMITTERS}=false" in os.environ["XLA_FLAGS"]  # what started processes take
+    assert OLDER_EMITTERS_FLAG in os.environ["XLA_FLAGS"]  # what started processes take
     jax.config.update("jax_disable_most_optimizations", False)
     try:
         assert not older_emitters()

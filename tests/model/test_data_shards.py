@@ -6,11 +6,12 @@ rounding); the compiled step moves no pool-sized array between devices."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+from tests.conftest import forced_devices_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -195,8 +196,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_paged_step_with_the_pool_split_along_data_equals_one_device() -> None:
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    env = forced_devices_env()
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, text=True,
                           capture_output=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

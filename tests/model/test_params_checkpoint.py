@@ -41,6 +41,7 @@ from ds4jax.weights.official import (
     release_config,
     write_official_checkpoint,
 )
+from tests.conftest import forced_devices_env
 from tests.model.tiny_model import assert_same, random_params, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -191,9 +192,7 @@ print("OK")
 
 
 def test_restore_reshards_over_8_forced_host_devices(tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    env["JAX_PLATFORMS"] = "cpu"
+    env = forced_devices_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     r = subprocess.run(
         [sys.executable, "-c", _SUBPROCESS, str(tmp_path)],

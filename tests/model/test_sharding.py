@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 from ds4jax.model.sharding import logical_axes
+from tests.conftest import forced_devices_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -264,8 +264,7 @@ ENGINE_DISK_SCRIPT = textwrap.dedent(
 
 
 def test_eight_device_mesh_matches_one_device() -> None:
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    env = forced_devices_env()
     # the two halves run at once: each mostly waits on single-threaded XLA compiles
     procs = [
         subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env,
