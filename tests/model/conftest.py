@@ -35,6 +35,17 @@ def small_config(**overrides) -> Config:
     return Config(**base)
 
 
+def short_tiny(**overrides) -> Config:
+    """The embedded `tiny` config (its real vocabulary, for the tokenizer) with one layer of
+    each attention kind (sliding, CSA, HCA; hash- and learned-routed): for the 8-device
+    scripts, whose SPMD programs no other test shares, so every layer compiles for them
+    alone — half of tiny's six took 56 → 35 CPU-s of test_data_shards' script."""
+    from ds4jax.config import load_config
+
+    kinds = dict(num_layers=3, compress_ratios=(0, 4, 16), hash_layers=(True, True, False))
+    return load_config("tiny").replace(attn_types=(), **kinds, **overrides)
+
+
 @pytest.fixture(scope="session")
 def small_cfg() -> Config:
     return small_config()

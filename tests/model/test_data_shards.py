@@ -21,7 +21,6 @@ SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     assert len(jax.devices()) == 8, jax.devices()
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from ds4jax.config import load_config
     from ds4jax.kvstore.pages import PagePool
     from ds4jax.model.page_table import PageTable
     from ds4jax.model import batch as mb, page_io, pages
@@ -29,8 +28,9 @@ SCRIPT = textwrap.dedent(
     from ds4jax.model.params import init_params
     from ds4jax.model.sharding import make_mesh, shard_params
     from ds4jax.model.state import init_state
+    from tests.model.conftest import short_tiny
 
-    cfg = load_config("tiny")
+    cfg = short_tiny()
     params = init_params(cfg, 0)
     MAX_LEN, SHARDS, LOCAL, ROWS, STEPS = 1024, 2, 8, 4, 10
     rng = np.random.default_rng(3)

@@ -132,13 +132,17 @@ SCRIPT = textwrap.dedent(
     print("mixed_data_err", merr)
     assert merr <= 1e-5, merr
 
-    # the CLI takes the same flag: dump-logits on the mesh equals one device
-    import os, tempfile
+    # the CLI takes the same flag: dump-logits on the mesh equals one device (a config file
+    # of tiny's three layer kinds: the real vocabulary, for the prompt's text)
+    import json, os, tempfile
     from ds4jax import cli
+    from tests.model.conftest import short_tiny
 
     d = tempfile.mkdtemp()
+    config = os.path.join(d, "tiny3.json")
+    open(config, "w").write(json.dumps(short_tiny().to_dict()))
     for name, spec in (("one", "none"), ("mesh", "expert=2,tensor=4")):
-        argv = ["dump-logits", "--config", "tiny", "--prompt", "hello there", "--quant-sim",
+        argv = ["dump-logits", "--config", config, "--prompt", "hello there", "--quant-sim",
                 "off", "--mesh", spec, "--out", os.path.join(d, name + ".npy")]
         assert cli.main(argv) == 0
     a, b = (np.load(os.path.join(d, n + ".npy")) for n in ("one", "mesh"))
@@ -180,13 +184,12 @@ ENGINE_DISK_SCRIPT = textwrap.dedent(
     assert len(jax.devices()) == 8, jax.devices()
     from ds4jax.chat.anthropic import parse_messages_request
     from ds4jax.chat.tokenizer import V4Tokenizer
-    from ds4jax.config import load_config
     from ds4jax.engine import Engine, SamplingParams
     from ds4jax.model.params import init_params
     from ds4jax.model.sharding import parse_mesh, shard_params
-    from tests.model.conftest import small_config
+    from tests.model.conftest import short_tiny, small_config
 
-    tiny = load_config("tiny").replace(quant_sim=False)
+    tiny = short_tiny(quant_sim=False)
     tp = init_params(tiny, 0)
     tok = V4Tokenizer()
     kw = dict(max_len=256, chunk_sizes=(16, 64), sessions=2, max_batch=2)
