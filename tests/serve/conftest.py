@@ -96,7 +96,10 @@ def assert_cold_equivalent(engine: Engine) -> None:
 
 @pytest.fixture(scope="session")
 def _engine() -> Engine:
-    cfg = load_config("tiny")
+    # the continuation tests' model (`tests/continuation/conftest.py`: quantization simulation
+    # off), so the programs of both families' tests are the same ones, compiled once per run
+    # (eight of these files with test_batching: 171 → 151 s on one worker, empty cache)
+    cfg = load_config("tiny").replace(quant_sim=False)
     return Engine(cfg, init_params(cfg, 0), V4Tokenizer(), max_len=2048, chunk_sizes=(16, 64))
 
 
