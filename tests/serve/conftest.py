@@ -359,6 +359,12 @@ _early: dict[str, Any] = {}
 #: their warm-ups compiled (CPU to ready, alone, empty cache: the demo server's, as below,
 #: 107 → 51 s; the group's two processes 71 → 54 s; test_socket's 57 → 33 s)
 NO_MIXED = ("--stall-bound", "0")
+#: the demo's servers (one device, speculating, the group) prefill in chunks of 512 and 16
+#: tokens, not the four default sizes: each size is a program every one of them compiles
+#: at warm-up (the group's two processes alone: test_multihost.py 159 → 137 CPU-s; then the
+#: one-device servers: the five files sharing them, one worker, 197 → 185), and the demo's
+#: prompts of ~700 tokens take the same greedy tokens either way
+CHUNKS = ("--chunk-sizes", "16,512")
 #: the tiny server of test_socket.py: an API key, and a warm-up of only what its tests run
 #: (two chunk sizes, batches of up to 2 without mixed steps: 4 programs where the defaults
 #: compile 13, over 100 s of a 2-core CI run)
@@ -368,7 +374,7 @@ SOCKET_SERVE_ARGS = ("--api-key", SERVE_KEY, "--chunk-sizes", "16,64", "--max-ba
 #: batches of up to 4: the default 8 only adds a step program no test needs), a stats line
 #: every second, retained frontiers in pages
 DEMO_SERVE_ARGS = ("--sessions", "6", "--max-batch", "4", "--stats-interval", "1", "--paged",
-                   *NO_MIXED)  # fmt: skip
+                   *CHUNKS, *NO_MIXED)  # fmt: skip
 #: the demo server compiles as served (the suite's processes do not, `tests/conftest.py`):
 #: its six agents decode long on a few programs
 AS_SERVED = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "0", "XLA_FLAGS": SERVED_XLA_FLAGS}
@@ -376,15 +382,13 @@ AS_SERVED = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "0", "XLA_FLAGS": SERVED_XLA_FLAG
 #: tests send one request at a time, and the default batches of 8 only added 4 programs to
 #: its warm-up (about 40 s of CPU on 2 cores)
 SPEC_SERVE_ARGS = ("--speculative", "mtp", "--speculative-max-batch", "2", "--max-batch", "2",
-                   "--mesh", "none", "--stats-interval", "1", *NO_MIXED)  # fmt: skip
+                   "--mesh", "none", "--stats-interval", "1", *CHUNKS, *NO_MIXED)  # fmt: skip
 #: the multi-host group: two processes of 4 CPU devices each, one 4×2 mesh over all 8 with
 #: sessions' pages split along data (issue 28: shards 0-1 on process 0's devices, 2-3 on
-#: process 1's), a row on each shard; prompts cut into chunks of 512 and 16 tokens (each size
-#: a program both processes compile: with 4,16,64,512 test_multihost.py alone took 159
-#: CPU-s in all, with these two 137, its tokens the same)
+#: process 1's), a row on each shard
 GROUP_MESH = "data=4,expert=2"
 GROUP_ARGS = ("--paged", "--mesh", GROUP_MESH, "--sessions", "2", "--max-batch", "4",
-              "--chunk-sizes", "16,512", *NO_MIXED)  # fmt: skip
+              *CHUNKS, *NO_MIXED)  # fmt: skip
 
 
 class ServeGroup:
