@@ -23,12 +23,17 @@ TOOLS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def _engine() -> Engine:
-    # quantization simulation off: exact math, so "a continued state equals a cold prefill"
-    # is checked to float32 rounding, not to the odd FP8 rounding flip between chunkings
+def exact_tiny_engine() -> Engine:
+    """The tiny model with quantization simulation off: exact math, so "a continued state
+    equals a cold prefill" is checked to float32 rounding, not to the odd FP8 rounding flip
+    between chunkings. The serve tests' engine too, so both families run the same programs."""
     cfg = load_config("tiny").replace(quant_sim=False)
     return Engine(cfg, init_params(cfg, 0), V4Tokenizer(), max_len=2048, chunk_sizes=(16, 64))
+
+
+@pytest.fixture(scope="session")
+def _engine() -> Engine:
+    return exact_tiny_engine()
 
 
 def like(e: Engine, cfg: Config | None = None, **kw: Any) -> Engine:

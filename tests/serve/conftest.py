@@ -35,14 +35,11 @@ import pytest
 from quart import Quart
 
 from ds4jax.chat import specials
-from ds4jax.chat.tokenizer import V4Tokenizer
-from ds4jax.config import load_config
 from ds4jax.engine import Engine
-from ds4jax.model.params import init_params
 from serve.app import ServerConfig, create_app
 from serve.worker import EngineWorker
 from tests.conftest import SERVED_XLA_FLAGS
-from tests.continuation.conftest import TOOLS, forced, tool_call_text
+from tests.continuation.conftest import TOOLS, exact_tiny_engine, forced, tool_call_text
 
 __all__ = ["TOOLS", "forced", "tool_call_text"]
 
@@ -96,11 +93,9 @@ def assert_cold_equivalent(engine: Engine) -> None:
 
 @pytest.fixture(scope="session")
 def _engine() -> Engine:
-    # the continuation tests' model (`tests/continuation/conftest.py`: quantization simulation
-    # off), so the programs of both families' tests are the same ones, compiled once per run
+    # the continuation tests' engine, so both families' programs are compiled once per run
     # (eight of these files with test_batching: 171 → 151 s on one worker, empty cache)
-    cfg = load_config("tiny").replace(quant_sim=False)
-    return Engine(cfg, init_params(cfg, 0), V4Tokenizer(), max_len=2048, chunk_sizes=(16, 64))
+    return exact_tiny_engine()
 
 
 @pytest.fixture(scope="session")
