@@ -129,48 +129,79 @@ def step_args(size: int) -> tuple:
             np.zeros(size, np.float32), np.int32(-1))  # fmt: skip
 
 
-def decode_step_ops(cfg: Any, params: Any, state: Any, size: int) -> OpCount:
-    """The operations of `model.batch.step` for `size` rows of `state`'s shapes."""
+def step_program(native_kernels: bool = True) -> Any:
+    """A jit of the server's step (`model.batch.step`) of its own, traced with the native CPU
+    kernels on or off (`ds4jax.native`), so both programs live in one process."""
+    import contextlib
+
     import jax
 
+    from ds4jax import native
     from ds4jax.model import batch as batch_ops
 
+    raw = batch_ops.step.__wrapped__
+
+    def step(params: Any, batch: Any, *args: Any, cfg: Any, size: int) -> Any:
+        with contextlib.nullcontext() if native_kernels else native.disabled():
+            return raw(params, batch, *args, cfg=cfg, size=size)
+
+    return jax.jit(step, static_argnames=("cfg", "size"), donate_argnums=1)
+
+
+def decode_step_ops(cfg: Any, params: Any, state: Any, size: int,
+                    native_kernels: bool = True) -> OpCount:  # fmt: skip
+    """The operations of the step for `size` rows of `state`'s shapes."""
+    import jax
+
     rows = jax.tree.map(lambda x: jax.ShapeDtypeStruct((size, *x.shape), x.dtype), state)
-    lowered = batch_ops.step.lower(params, rows, *step_args(size), cfg=cfg, size=size)
+    lowered = step_program(native_kernels).lower(params, rows, *step_args(size), cfg=cfg,
+                                                 size=size)  # fmt: skip
     return count_ops(lowered.compile().as_text())
 
 
-def step_ms(cfg: Any, params: Any, state: Any, sizes: tuple[int, ...],
-            steps: int) -> dict[int, list[float]]:  # fmt: skip
-    """Wall time of `steps` greedy steps at each batch size, each step read back as the
-    server does. The sizes take turns step by step (all compiled first), so a drift of
-    this machine's speed weighs on every size alike: their ratios are what is measured."""
+def step_ms(cfg: Any, params: Any, states: list[Any], sizes: tuple[int, ...], steps: int,
+            ways: tuple[bool, ...] = (True,)) -> dict[tuple[bool, int], list[float]]:  # fmt: skip
+    """Wall time of `steps` greedy steps at each batch size, with the native kernels on and
+    off (`ways`), each step read back as the server does; row i of a batch is conversation
+    `states[i]`. The programs take turns step by step (all compiled first), so a drift of
+    this machine's speed weighs on every one alike: their ratios are what is measured."""
     import jax
     import jax.numpy as jnp
 
-    from ds4jax.model import batch as batch_ops
-
     batches, args = {}, {size: step_args(size) for size in sizes}
-    for size in sizes:
-        b = jax.tree.map(lambda x, n=size: jnp.array(jnp.broadcast_to(x, (n, *x.shape))), state)
-        for _ in range(3):  # compile, warm
-            b, tok, _k = batch_ops.step(params, b, *args[size], cfg=cfg, size=size)
-            np.asarray(tok)
-        batches[size] = b
-    out: dict[int, list[float]] = {size: [] for size in sizes}
-    for _ in range(steps):
+    programs = {way: step_program(way) for way in ways}
+    for way in ways:
         for size in sizes:
+            b = jax.tree.map(lambda *xs: jnp.stack(xs), *states[:size])
+            for _ in range(3):  # compile, warm
+                b, tok, _k = programs[way](params, b, *args[size], cfg=cfg, size=size)
+                np.asarray(tok)
+            batches[way, size] = b
+    out: dict[tuple[bool, int], list[float]] = {key: [] for key in batches}
+    for _ in range(steps):
+        for way, size in batches:
             t0 = time.perf_counter()
-            batches[size], tok, _k = batch_ops.step(params, batches[size], *args[size],
-                                                    cfg=cfg, size=size)  # fmt: skip
+            step = programs[way]
+            batches[way, size], tok, _k = step(params, batches[way, size], *args[size],
+                                               cfg=cfg, size=size)  # fmt: skip
             np.asarray(tok)
-            out[size].append((time.perf_counter() - t0) * 1e3)
+            out[way, size].append((time.perf_counter() - t0) * 1e3)
     return out
+
+
+#: the rows' conversations: different tokens, so a batch's rows route to different experts
+#: (copies of one conversation would all read the same four experts per layer)
+ROW_PROMPTS = 8
+
+
+def _prompt(row: int) -> np.ndarray:
+    return ((np.arange(2, 402, dtype=np.int32) * (row + 1) + 97 * row) % 5000).astype(np.int32)
 
 
 def run(quick: bool) -> dict[str, Any]:
     import jax
 
+    from ds4jax import native
     from ds4jax.config import load_config
     from ds4jax.model.forward import prefill
     from ds4jax.model.params import init_params
@@ -179,25 +210,34 @@ def run(quick: bool) -> dict[str, Any]:
     name = "tiny" if quick else "bench-192m"
     cfg = load_config(name)
     params = init_params(cfg, 0)
-    prompt = np.arange(2, 402, dtype=np.int32) % 5000  # a 400-token conversation
-    state, _ = prefill(params, init_state(cfg, 4096), prompt, cfg)
-    jax.block_until_ready(state)
+    states = [prefill(params, init_state(cfg, 4096), _prompt(r), cfg)[0]
+              for r in range(ROW_PROMPTS)]  # fmt: skip
+    jax.block_until_ready(states)
+    ways = (True, False) if native.active() else (False,)
+    timings = step_ms(cfg, params, states, SIZES, 10 if quick else 40, ways)
     rows = []
-    timings = step_ms(cfg, params, state, SIZES, 10 if quick else 40)
     for size in SIZES:
-        ops = decode_step_ops(cfg, params, state, size)
-        times = timings[size]
-        ms = statistics.median(times)
-        rows.append({"batch": size, "ops": ops.total, "ops_most": ops.most,
-                     "unknown_loops": ops.unknown_loops,
-                     "by_kind": dict(ops.by_kind.most_common()), "step_ms": round(ms, 2),
-                     "tok_s": round(size / ms * 1e3, 1), "step_ms_all": times})  # fmt: skip
-    base = rows[0]["tok_s"]
+        row: dict[str, Any] = {"batch": size}
+        for way in ways:
+            ops = decode_step_ops(cfg, params, states[0], size, way)
+            times = timings[way, size]
+            ms = statistics.median(times)
+            pre = "" if way == ways[0] else "twin_"
+            row.update({f"{pre}ops": ops.total, f"{pre}ops_most": ops.most,
+                        f"{pre}unknown_loops": ops.unknown_loops, f"{pre}step_ms": round(ms, 2),
+                        f"{pre}tok_s": round(size / ms * 1e3, 1),
+                        f"{pre}step_ms_all": times})  # fmt: skip
+            if not pre:
+                row["by_kind"] = dict(ops.by_kind.most_common())
+        rows.append(row)
     for r in rows:
-        r["aggregate_vs_b1"] = round(r["tok_s"] / base, 2)
+        r["aggregate_vs_b1"] = round(r["tok_s"] / rows[0]["tok_s"], 2)
+        if "twin_tok_s" in r:
+            r["twin_aggregate_vs_b1"] = round(r["twin_tok_s"] / rows[0]["twin_tok_s"], 2)
+            r["native_speedup"] = round(r["twin_step_ms"] / r["step_ms"], 2)
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "quick": quick,
-            "model": name, "prompt_tokens": int(prompt.size), "state_capacity": 4096,
-            "rows": rows}  # fmt: skip
+            "model": name, "prompt_tokens": int(_prompt(0).size), "state_capacity": 4096,
+            "native_kernels": ways[0], "rows": rows}  # fmt: skip
 
 
 def main(quick: bool = False) -> dict[str, Any]:
@@ -206,12 +246,21 @@ def main(quick: bool = False) -> dict[str, Any]:
     rep["seconds"] = round(time.perf_counter() - t0, 1)
     print(f"\n{rep['model']}, decode step after a {rep['prompt_tokens']}-token prompt "
           f"(greedy, median of the steps, the sizes taking turns)")  # fmt: skip
-    print(f"{'batch':>5} {'ops':>12} {'ms/step':>8} {'tok/s':>7} {'vs B=1':>7}  largest kinds")
+    twin = "twin_ops" in rep["rows"][0]
+    print(f"rows: {ROW_PROMPTS} different conversations; native CPU kernels "
+          f"{'on, beside the jnp twins (twin_*)' if twin else 'off'}")  # fmt: skip
+    print(
+        f"{'batch':>5} {'ops':>12} {'ms/step':>8} {'tok/s':>7} {'vs B=1':>7}"
+        + (f" {'twin ops':>12} {'twin ms':>8} {'vs B=1':>7} {'speedup':>7}" if twin else "")
+    )
     for r in rep["rows"]:
-        kinds = ", ".join(f"{k} {v}" for k, v in list(r["by_kind"].items())[:4])
-        ops = f"{r['ops']}-{r['ops_most']}"
-        print(f"{r['batch']:>5} {ops:>12} {r['step_ms']:>8.1f} {r['tok_s']:>7.1f} "
-              f"{r['aggregate_vs_b1']:>6.2f}x  {kinds}")  # fmt: skip
+        line = (f"{r['batch']:>5} {r['ops']}-{r['ops_most']:<7} {r['step_ms']:>8.1f} "
+                f"{r['tok_s']:>7.1f} {r['aggregate_vs_b1']:>6.2f}x")  # fmt: skip
+        if twin:
+            line += (f" {r['twin_ops']}-{r['twin_ops_most']:<7} {r['twin_step_ms']:>8.1f} "
+                     f"{r['twin_aggregate_vs_b1']:>6.2f}x "
+                     f"{r['native_speedup']:>6.2f}x")  # fmt: skip
+        print(line)
     write_json("ops", rep, quick)
     return rep
 

@@ -301,7 +301,8 @@ TABLES: dict[str, list[tuple[str, Callable[[Row], list[Row]]]]] = {
                ("retries", lambda rep: [{k: v for k, v in rep["retries"].items()
                                          if k != "sources"}])],
     "ops": [("steps", lambda rep: [{k: v for k, v in r.items()
-                                    if k not in ("by_kind", "step_ms_all")} for r in rep["rows"]])],
+                                    if k not in ("by_kind", "step_ms_all", "twin_step_ms_all")}
+                                   for r in rep["rows"]])],
     "stall": [("gaps", lambda rep: [stall_row(r) for r in rep["runs"]])],
     "speculative": [("decode", lambda rep: rep["rows"])],
 }  # fmt: skip

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ds4jax import native
 from ds4jax.chat import specials
 from ds4jax.chat.anthropic import parse_messages_request
 from ds4jax.chat.conversation import Conversation
@@ -160,7 +161,8 @@ def dense_moe() -> Iterator[None]:
     dense_from = layers.GROUPED_MIN_TOKENS
     layers.GROUPED_MIN_TOKENS = 1 << 30
     try:
-        yield
+        with native.disabled():  # no gradient through the native kernels
+            yield
     finally:
         layers.GROUPED_MIN_TOKENS = dense_from
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ds4jax import native
 from ds4jax.config import Config
 from ds4jax.model.layers import attention, hc_head, hc_post, hc_pre, linear, moe, rmsw
 from ds4jax.model.params import Params
@@ -171,6 +172,8 @@ HEAD_REDUCE_ROWS = 9
 def logits_of(params: Params, cfg: Config, X: jax.Array) -> jax.Array:
     """The head: hyper-connection streams [T, hc, D] → logits [T, vocab]."""
     h = rmsw(hc_head(cfg, X, params), params["norm"], cfg.rms_eps)
+    if native.active() and native.gemv_supported(h, params["head"]):
+        return native.gemv(h, params["head"])
     if jax.default_backend() == "cpu" and 2 <= h.shape[0] <= HEAD_REDUCE_ROWS:
         # one multiply-and-reduce over the weight, read once in place: XLA:CPU runs this
         # product as a GEMM that packs the whole head weight on every step (issue 27). Same

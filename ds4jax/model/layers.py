@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ds4jax import pallas_kernels
+from ds4jax import native, pallas_kernels
 from ds4jax.config import Config
 from ds4jax.model import quant_sim
 from ds4jax.model.pages import decode_index_rows, decode_rows, encode_index_rows, encode_rows
@@ -401,6 +401,9 @@ def _routed(cfg: Config, p: Params, x: jax.Array, sel: jax.Array, w: jax.Array,
     `p`'s `cfg.num_experts`, `w` their weights); the way is chosen by the counts."""
     T, k = sel.shape
     E = cfg.num_experts
+    decode = T * k <= E or (rows and T * k <= BATCHED_DECODE_PAIRS)
+    if decode and native.active() and native.routed_supported(x, p):
+        return native.routed(x, sel, w, p, cfg.swiglu_limit)
     if rows and 1 < T and T * k <= BATCHED_DECODE_PAIRS:
         routed = _moe_selected_once(cfg, p, x, sel, w)
     elif T * k <= E:  # few tokens (decode): read only the selected experts' weights

@@ -1,0 +1,162 @@
+"""Native CPU kernels: XLA FFI calls built from C++ on first use (issue 27).
+
+XLA:CPU runs a decode step as hundreds of small library calls, and it copies each selected
+expert out of the stacked expert weights before its product. `routed_cpu.cc` does the
+routed experts of a decode step in one call: every selected expert read in place, once for
+all the tokens that picked it, the work spread over XLA's own intra-op thread pool. Its
+pure-jnp twin is `model.layers._routed` with the kernel off (`disabled`), and the tests
+compare the two.
+
+The library is compiled with the machine's C++ compiler (`$CXX`, else `c++`, `-O3
+-march=native`) into `~/.cache/ds4jax/native/` (`DS4JAX_NATIVE_CACHE`), under a name that
+hashes the source, the flags, the compiler, jaxlib and this CPU, so a shared home directory
+never serves a library built for another CPU; a build writes a temporary file and renames
+it, so processes building at once never load half a file. Where no compiler works, a
+warning says so once and the twin runs: nothing else changes. `DS4JAX_NATIVE=0` turns the
+kernels off (the twin then runs everywhere).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger("ds4jax.native")
+
+SOURCE = Path(__file__).with_name("routed_cpu.cc")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
+         "-Wall", "-Wno-attributes", "-Wno-return-type")  # fmt: skip
+#: the FFI targets the library defines
+TARGETS = ("ds4jax_routed_f32", "ds4jax_gemv_f32")
+
+_enabled = os.environ.get("DS4JAX_NATIVE", "1") != "0"
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Programs traced inside take the jnp twins (the tests' reference; training, which
+    differentiates through the MoE; a side-by-side comparison)."""
+    global _enabled
+    was, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = was
+
+
+def _cpu_id() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(keep))
+
+
+def _build(cxx: str, target: Path) -> None:
+    include = jax.ffi.include_dir()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def library_path() -> Path:
+    import jaxlib
+
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        version = "none"
+    key = hashlib.sha256("\0".join(
+        [SOURCE.read_text(), " ".join(FLAGS), cxx, version, jaxlib.__version__, _cpu_id()]
+    ).encode()).hexdigest()[:16]  # fmt: skip
+    root = Path(os.environ.get("DS4JAX_NATIVE_CACHE", "~/.cache/ds4jax/native")).expanduser()
+    return root / f"routed_cpu-{key}.so"
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The built library with its targets registered for the CPU platform, or None (kernels
+    off, or no working compiler: warned once)."""
+    path = library_path()
+    try:
+        if not path.exists():
+            t0 = time.perf_counter()
+            _build(os.environ.get("CXX", "c++"), path)
+            log.info("native kernels built in %.1f s: %s", time.perf_counter() - t0, path)
+        lib = ctypes.cdll.LoadLibrary(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("native CPU kernels unavailable, the jnp twins run instead: %s", e)
+        return None
+    for name in TARGETS:
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+    return lib
+
+
+def active() -> bool:
+    """Whether a program traced now takes the native kernels: on, on CPU, and built."""
+    return _enabled and jax.default_backend() == "cpu" and library() is not None
+
+
+def routed_supported(x: jax.Array, experts: dict[str, Any]) -> bool:
+    """Whether `routed` takes these operands: f32 tokens and plain f32 expert weights."""
+    ws = [experts[n] for n in ("w1", "w3", "w2")]
+    return x.dtype == jnp.float32 and all(
+        isinstance(w, jax.Array | np.ndarray) and w.dtype == jnp.float32 for w in ws
+    )
+
+
+def routed(x: jax.Array, sel: jax.Array, w: jax.Array, experts: dict[str, Any],
+           limit: float) -> jax.Array:  # fmt: skip
+    """The routed experts' weighted sum for tokens x [T, D] (`sel` [T, k] their experts,
+    `w` [T, k] their weights; experts w1, w3 [E, F, D], w2 [E, D, F]) — `_routed`'s
+    result, each selected expert read once in place."""
+    call = jax.ffi.ffi_call("ds4jax_routed_f32", jax.ShapeDtypeStruct(x.shape, x.dtype))
+    return call(x, sel.astype(jnp.int32), w.astype(jnp.float32), experts["w1"],
+                experts["w3"], experts["w2"], limit=np.float32(limit))  # fmt: skip
+
+
+#: the most tokens `gemv` takes (past them a product is a GEMM, compute-bound: XLA's)
+GEMV_ROWS = 9
+
+
+def gemv_supported(x: jax.Array, w: Any) -> bool:
+    """Whether `gemv` takes these operands: at most `GEMV_ROWS` f32 tokens [T, K] and a
+    plain f32 weight [N, K]."""
+    return (x.ndim == 2 and x.shape[0] <= GEMV_ROWS and x.dtype == jnp.float32
+            and isinstance(w, jax.Array | np.ndarray) and w.ndim == 2
+            and w.dtype == jnp.float32)  # fmt: skip
+
+
+def gemv(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [T, K] @ w [N, K]ᵀ for a few tokens, the weight read once in place for all of them
+    (XLA:CPU runs one row as a GEMV at ~70% of this machine's bandwidth, and several as a
+    GEMM that packs the whole weight first)."""
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), x.dtype)
+    return jax.ffi.ffi_call("ds4jax_gemv_f32", out)(x, w)

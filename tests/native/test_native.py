@@ -1,0 +1,132 @@
+"""The native CPU kernels against their jnp twins, and the build's fallback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ds4jax import native
+from ds4jax.config import load_config
+from ds4jax.model import layers
+
+CFG = load_config("bench-192m")
+
+
+def test_the_library_builds_here():
+    """This machine has a compiler, so the kernels must be on: a broken build fails here
+    rather than quietly running the twins (`DS4JAX_NATIVE=0` turns them off on purpose)."""
+    if os.environ.get("DS4JAX_NATIVE") == "0":
+        pytest.skip("DS4JAX_NATIVE=0: the kernels are off on purpose")
+    assert native.library() is not None
+    assert native.active()
+    assert native.library_path().exists()
+
+
+def _experts(E: int, F: int, D: int, seed: int = 0) -> dict[str, jax.Array]:
+    rng = np.random.default_rng(seed)
+    shapes = {"w1": (E, F, D), "w3": (E, F, D), "w2": (E, D, F)}
+    return {n: jnp.asarray(rng.standard_normal(s, dtype=np.float32) * 0.05)
+            for n, s in shapes.items()}  # fmt: skip
+
+
+def _routed_both(ex, x, sel, w, rows: bool):
+    """(the kernel's result, the twin's), each traced in a program of its own."""
+    cfg = CFG.replace(num_experts=ex["w1"].shape[0])
+
+    def run(x, sel, w):
+        return layers._routed(cfg, ex, x, sel, w, rows)
+
+    got = jax.jit(lambda *a: run(*a))(x, sel, w)
+    with native.disabled():
+        want = jax.jit(lambda *a: run(*a))(x, sel, w)
+    return np.asarray(got), np.asarray(want)
+
+
+# (tokens, rows): one decode token; a batched step's rows; a short chunk of one sequence
+@pytest.mark.parametrize("T,rows", [(1, False), (2, True), (4, True), (8, True), (3, False)])
+def test_routed_matches_twin(T, rows):
+    E, F, D, k = 16, 224, 512, 4
+    ex = _experts(E, F, D)
+    rng = np.random.default_rng(T)
+    x = jnp.asarray(rng.standard_normal((T, D), dtype=np.float32))
+    sel = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    if T > 1:
+        sel[1] = sel[0]  # two tokens on the same experts: each expert read once for both
+    w = jnp.asarray(rng.random((T, k), dtype=np.float32))
+    got, want = _routed_both(ex, x, jnp.asarray(sel), w, rows)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_routed_clamps_like_the_twin():
+    """Products past the SwiGLU limit are clamped the same way (large inputs)."""
+    ex = _experts(8, 40, 72, seed=3)  # widths off the kernel's 8-float vectors
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((2, 72), dtype=np.float32) * 200)
+    sel = jnp.asarray([[0, 7], [7, 3]], jnp.int32)
+    w = jnp.asarray([[0.7, 0.3], [0.5, 0.5]], jnp.float32)
+    got, want = _routed_both(ex, x, sel, w, rows=True)
+    assert np.abs(want).max() > 1.0
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-5)
+
+
+def test_a_token_alone_equals_the_same_token_in_a_batch():
+    """A row's routed sum does not depend on the rows beside it: bit for bit."""
+    E, F, D, k = 16, 224, 512, 4
+    ex = _experts(E, F, D, seed=1)
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((8, D), dtype=np.float32))
+    sel = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(8)]), jnp.int32)
+    w = jnp.asarray(rng.random((8, k), dtype=np.float32))
+    f = jax.jit(native.routed, static_argnums=4)
+    batch = np.asarray(f(x, sel, w, ex, CFG.swiglu_limit))
+    for t in (0, 5):
+        alone = np.asarray(f(x[t : t + 1], sel[t : t + 1], w[t : t + 1], ex, CFG.swiglu_limit))
+        assert np.array_equal(alone[0], batch[t])
+
+
+@pytest.mark.parametrize("T,N,K", [(1, 1000, 512), (3, 130, 77), (8, 64, 256), (9, 200, 512)])
+def test_gemv_matches_xla(T, N, K):
+    rng = np.random.default_rng(N)
+    x = jnp.asarray(rng.standard_normal((T, K), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((N, K), dtype=np.float32))
+    assert native.gemv_supported(x, w)
+    got = np.asarray(jax.jit(native.gemv)(x, w))
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_what_the_kernels_do_not_take():
+    x = jnp.zeros((2, 8), jnp.float32)
+    assert not native.gemv_supported(x.astype(jnp.bfloat16), jnp.zeros((4, 8)))
+    assert not native.gemv_supported(jnp.zeros((native.GEMV_ROWS + 1, 8)), jnp.zeros((4, 8)))
+    ex = {n: jnp.zeros((2, 4, 8), jnp.bfloat16) for n in ("w1", "w3", "w2")}
+    assert not native.routed_supported(x, ex)
+
+
+def test_no_compiler_runs_the_twins(tmp_path):
+    """Where the library cannot be built, a warning says so and the model runs as before."""
+    script = textwrap.dedent("""
+        import numpy as np
+        from ds4jax import native
+        from ds4jax.config import load_config
+        from ds4jax.model.forward import prefill
+        from ds4jax.model.params import init_params
+        from ds4jax.model.state import init_state
+        assert not native.active()
+        cfg = load_config("tiny")
+        state, _ = prefill(init_params(cfg, 0), init_state(cfg, 64), np.arange(2, 7), cfg)
+        print("ok", np.isfinite(np.asarray(state.logits)).all())
+    """)
+    env = dict(os.environ, CXX="false", DS4JAX_NATIVE_CACHE=str(tmp_path), JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ok True" in done.stdout
+    assert "native CPU kernels unavailable" in done.stderr
