@@ -7,8 +7,9 @@ load without the chat code, rendering would not work without the continuation po
 
 The layers, bottom to top; a module may import its own layer and the ones below it:
 
-0. `ds4jax` (the package itself: its version), `ds4jax.config`, `ds4jax.pallas_kernels` —
-   what the model is made of, knowing nothing of a model.
+0. `ds4jax` (the package itself: its version), `ds4jax.config`, `ds4jax.pallas_kernels`,
+   `ds4jax.native` (CPU kernels as XLA FFI calls) — what the model is made of, knowing
+   nothing of a model.
 1. `ds4jax.model`, `ds4jax.sampling` — the model as pure JAX functions of (params, state,
    config); `sampling` draws tokens from logits and is called inside the model's batched
    and speculative steps, so it sits with them, not with the engine.
@@ -47,7 +48,7 @@ PACKAGES = ("ds4jax", "serve")
 #: bottom to top; a pattern names a module and everything under it, a trailing `*` any
 #: module whose name starts so (the engine is being split into several)
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("ds4jax", "ds4jax.config", "ds4jax.pallas_kernels"),
+    ("ds4jax", "ds4jax.config", "ds4jax.pallas_kernels", "ds4jax.native"),
     ("ds4jax.model", "ds4jax.sampling"),
     ("ds4jax.chat", "ds4jax.weights"),
     ("ds4jax.kvstore", "ds4jax.continuation"),

@@ -172,9 +172,8 @@ HEAD_REDUCE_ROWS = 9
 def logits_of(params: Params, cfg: Config, X: jax.Array) -> jax.Array:
     """The head: hyper-connection streams [T, hc, D] → logits [T, vocab]."""
     h = rmsw(hc_head(cfg, X, params), params["norm"], cfg.rms_eps)
-    if native.active() and native.gemv_supported(h, params["head"]):
-        return native.gemv(h, params["head"])
-    if jax.default_backend() == "cpu" and 2 <= h.shape[0] <= HEAD_REDUCE_ROWS:
+    gemv = native.active() and native.gemv_supported(h, params["head"])  # `linear` takes it
+    if not gemv and jax.default_backend() == "cpu" and 2 <= h.shape[0] <= HEAD_REDUCE_ROWS:
         # one multiply-and-reduce over the weight, read once in place: XLA:CPU runs this
         # product as a GEMM that packs the whole head weight on every step (issue 27). Same
         # products, summed in another order.

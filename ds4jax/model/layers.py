@@ -17,7 +17,7 @@ from ds4jax import native, pallas_kernels
 from ds4jax.config import Config
 from ds4jax.model import quant_sim
 from ds4jax.model.pages import decode_index_rows, decode_rows, encode_index_rows, encode_rows
-from ds4jax.model.quantized import dequantize, expert, matmul
+from ds4jax.model.quantized import QWeight, dequantize, expert, matmul
 from ds4jax.model.rope import apply_rope, inv_freqs
 from ds4jax.model.sharding import expert_parallel
 from ds4jax.model.state import LayerState
@@ -27,7 +27,10 @@ NEG_INF = -jnp.inf
 
 
 def linear(x: jax.Array, w: Any) -> jax.Array:
-    """x @ wᵀ; a resident FP8/FP4 weight (`model.quantized`) is expanded here, at its use."""
+    """x @ wᵀ; a resident FP8/FP4 weight (`model.quantized`) is expanded here, at its use.
+    A decode step's few tokens on CPU take the native GEMV (`native.gemv`)."""
+    if native.active() and native.gemv_supported(x, w):
+        return native.gemv(x, w)
     return matmul(x, w)
 
 
@@ -395,6 +398,11 @@ def _moe_grouped(cfg: Config, p: Params, x: jax.Array, sel: jax.Array, w: jax.Ar
     return jnp.zeros((T + 1, D), x.dtype).at[token].add(out.reshape(-1, D))[:T]
 
 
+def _native_expert(w: Any) -> Any:
+    """Stacked expert weights as `native.routed` takes them: FP4 as its (codes, exponents)."""
+    return (w.q, w.exp) if isinstance(w, QWeight) and w.packed and w.block == (1, 32) else w
+
+
 def _routed(cfg: Config, p: Params, x: jax.Array, sel: jax.Array, w: jax.Array,
             rows: bool) -> jax.Array:  # fmt: skip
     """The routed experts' weighted sum for tokens `x` (`sel`: each token's experts among
@@ -402,8 +410,10 @@ def _routed(cfg: Config, p: Params, x: jax.Array, sel: jax.Array, w: jax.Array,
     T, k = sel.shape
     E = cfg.num_experts
     decode = T * k <= E or (rows and T * k <= BATCHED_DECODE_PAIRS)
-    if decode and native.active() and native.routed_supported(x, p):
-        return native.routed(x, sel, w, p, cfg.swiglu_limit)
+    if decode and native.active():
+        experts = [_native_expert(p[n]) for n in ("w1", "w3", "w2")]
+        if native.routed_supported(x, experts):
+            return native.routed(x, sel, w, experts, cfg.swiglu_limit)
     if rows and 1 < T and T * k <= BATCHED_DECODE_PAIRS:
         routed = _moe_selected_once(cfg, p, x, sel, w)
     elif T * k <= E:  # few tokens (decode): read only the selected experts' weights

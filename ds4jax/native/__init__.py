@@ -22,6 +22,7 @@ import contextlib
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import subprocess
@@ -40,9 +41,9 @@ log = logging.getLogger("ds4jax.native")
 
 SOURCE = Path(__file__).with_name("routed_cpu.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
-         "-Wall", "-Wno-attributes", "-Wno-return-type")  # fmt: skip
+         "-Wall", "-Wno-attributes", "-Wno-return-type", "-Wno-sign-compare")  # fmt: skip
 #: the FFI targets the library defines
-TARGETS = ("ds4jax_routed_f32", "ds4jax_gemv_f32")
+TARGETS = ("ds4jax_routed_f32", "ds4jax_routed_fp4", "ds4jax_gemv_f32", "ds4jax_argmax_f32")
 
 _enabled = os.environ.get("DS4JAX_NATIVE", "1") != "0"
 
@@ -124,22 +125,40 @@ def active() -> bool:
     return _enabled and jax.default_backend() == "cpu" and library() is not None
 
 
-def routed_supported(x: jax.Array, experts: dict[str, Any]) -> bool:
-    """Whether `routed` takes these operands: f32 tokens and plain f32 expert weights."""
-    ws = [experts[n] for n in ("w1", "w3", "w2")]
-    return x.dtype == jnp.float32 and all(
-        isinstance(w, jax.Array | np.ndarray) and w.dtype == jnp.float32 for w in ws
-    )
+#: the routed experts' weights as `routed` takes them: three f32 arrays (w1, w3 [E, F, D],
+#: w2 [E, D, F]), or three FP4 pairs (codes packed two per byte [E, out, in/2] — the low
+#: nibble the even input — and E8M0 exponents [E, out, in/32], as `--weights fp4-experts`
+#: keeps them in `model.quantized.QWeight`)
+Experts = list[Any]
 
 
-def routed(x: jax.Array, sel: jax.Array, w: jax.Array, experts: dict[str, Any],
+def _fp4(part: Any) -> bool:
+    if not isinstance(part, tuple) or len(part) != 2:
+        return False
+    q, e = part
+    return (q.dtype == jnp.uint8 and e.dtype == jnp.uint8 and q.shape[:-1] == e.shape[:-1]
+            and q.shape[-1] * 2 == e.shape[-1] * 32)  # fmt: skip
+
+
+def routed_supported(x: jax.Array, experts: Experts) -> bool:
+    """Whether `routed` takes these operands: f32 tokens, and expert weights all f32 or all
+    FP4 in whole 32-input blocks."""
+    dense = all(isinstance(w, jax.Array | np.ndarray) and w.dtype == jnp.float32 for w in experts)
+    return x.dtype == jnp.float32 and (dense or all(_fp4(w) for w in experts))
+
+
+def routed(x: jax.Array, sel: jax.Array, w: jax.Array, experts: Experts,
            limit: float) -> jax.Array:  # fmt: skip
     """The routed experts' weighted sum for tokens x [T, D] (`sel` [T, k] their experts,
-    `w` [T, k] their weights; experts w1, w3 [E, F, D], w2 [E, D, F]) — `_routed`'s
-    result, each selected expert read once in place."""
-    call = jax.ffi.ffi_call("ds4jax_routed_f32", jax.ShapeDtypeStruct(x.shape, x.dtype))
-    return call(x, sel.astype(jnp.int32), w.astype(jnp.float32), experts["w1"],
-                experts["w3"], experts["w2"], limit=np.float32(limit))  # fmt: skip
+    `w` [T, k] their weights) — `model.layers._routed`'s result, each selected expert read
+    once in place (FP4: its 4-bit codes, expanded in registers)."""
+    if isinstance(experts[0], tuple):
+        name, arrays = "ds4jax_routed_fp4", [a for pair in experts for a in pair]
+    else:
+        name, arrays = "ds4jax_routed_f32", list(experts)
+    call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    return call(x, sel.astype(jnp.int32), w.astype(jnp.float32), *arrays,
+                limit=np.float32(limit))  # fmt: skip
 
 
 #: the most tokens `gemv` takes (past them a product is a GEMM, compute-bound: XLA's)
@@ -147,16 +166,23 @@ GEMV_ROWS = 9
 
 
 def gemv_supported(x: jax.Array, w: Any) -> bool:
-    """Whether `gemv` takes these operands: at most `GEMV_ROWS` f32 tokens [T, K] and a
-    plain f32 weight [N, K]."""
-    return (x.ndim == 2 and x.shape[0] <= GEMV_ROWS and x.dtype == jnp.float32
+    """Whether `gemv` takes these operands: f32 tokens [..., K], at most `GEMV_ROWS` of them,
+    and a plain f32 weight [N, K]."""
+    return (x.ndim >= 1 and math.prod(x.shape[:-1]) <= GEMV_ROWS and x.dtype == jnp.float32
             and isinstance(w, jax.Array | np.ndarray) and w.ndim == 2
-            and w.dtype == jnp.float32)  # fmt: skip
+            and w.dtype == jnp.float32 and w.shape[1] == x.shape[-1])  # fmt: skip
 
 
 def gemv(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [T, K] @ w [N, K]ᵀ for a few tokens, the weight read once in place for all of them
-    (XLA:CPU runs one row as a GEMV at ~70% of this machine's bandwidth, and several as a
-    GEMM that packs the whole weight first)."""
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), x.dtype)
-    return jax.ffi.ffi_call("ds4jax_gemv_f32", out)(x, w)
+    """x [..., K] @ w [N, K]ᵀ for a few tokens, the weight read once in place for all of
+    them: XLA:CPU runs one token's product at ~70% of this machine's bandwidth and several
+    tokens' as a GEMM that packs the whole weight first. Under `vmap` (a batched step's
+    per-row attention) the rows' tokens go to one call (`expand_dims`), not one each."""
+    out = jax.ShapeDtypeStruct((*x.shape[:-1], w.shape[0]), x.dtype)
+    return jax.ffi.ffi_call("ds4jax_gemv_f32", out, vmap_method="expand_dims")(x, w)
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` of f32 rows as int32 (the first maximum, the first NaN if any)."""
+    out = jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32)
+    return jax.ffi.ffi_call("ds4jax_argmax_f32", out, vmap_method="expand_dims")(x)

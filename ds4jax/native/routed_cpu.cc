@@ -99,6 +99,96 @@ inline void dots(const float* a, const float* const* b, int nt, int64_t n, float
   }
 }
 
+// FP4 E2M1 rows: 16 bytes hold a block of 32 inputs, the low nibble the even input, with one
+// E8M0 exponent per block. The inputs come de-interleaved (evens, then odds: `Fp4Rows::at`),
+// so a byte's two codes meet two plain vectors. A block's products are summed, then scaled.
+float E8M0[256];  // 2^(e − 127), as the twin's ldexp gives it
+const bool E8M0_READY = [] {
+  for (int e = 0; e < 256; ++e) E8M0[e] = std::ldexp(1.0f, e - 127);
+  return true;
+}();
+constexpr float E2M1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 e2m1(__m256i codes) {  // eight codes 0…15 → floats
+  const __m256 mag = _mm256_setr_ps(0, 0.5f, 1, 1.5f, 2, 3, 4, 6);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(8)), 28);
+  return _mm256_or_ps(_mm256_permutevar8x32_ps(mag, codes), _mm256_castsi256_ps(sign));
+}
+#endif
+
+template <int N>
+inline void qdots_n(const uint8_t* q, const uint8_t* ex, const float* const* x, int64_t n,
+                    float* out) {
+  const int64_t half = n / 2;
+  float acc[N] = {};
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 s[N];
+  for (int t = 0; t < N; ++t) s[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < n / 32; ++b) {
+    __m256 bs[N];
+    for (int t = 0; t < N; ++t) bs[t] = _mm256_setzero_ps();
+    for (int64_t o = b * 16; o < b * 16 + 16; o += 8) {
+      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + o)));
+      const __m256 lo = e2m1(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+      const __m256 hi = e2m1(_mm256_srli_epi32(v, 4));
+      for (int t = 0; t < N; ++t) {
+        bs[t] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x[t] + o), bs[t]);
+        bs[t] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x[t] + half + o), bs[t]);
+      }
+    }
+    const __m256 scale = _mm256_set1_ps(E8M0[ex[b]]);
+    for (int t = 0; t < N; ++t) s[t] = _mm256_fmadd_ps(bs[t], scale, s[t]);
+  }
+  for (int t = 0; t < N; ++t) acc[t] = hsum(s[t]);
+#else
+  for (int64_t b = 0; b < n / 32; ++b) {
+    for (int t = 0; t < N; ++t) {
+      float bs = 0;
+      for (int64_t o = b * 16; o < b * 16 + 16; ++o)
+        bs += E2M1[q[o] & 15] * x[t][o] + E2M1[q[o] >> 4] * x[t][half + o];
+      acc[t] += bs * E8M0[ex[b]];
+    }
+  }
+#endif
+  for (int t = 0; t < N; ++t) out[t] = acc[t];
+}
+
+inline void qdots(const uint8_t* q, const uint8_t* ex, const float* const* x, int nt, int64_t n,
+                  float* out) {
+  switch (nt) {
+    case 1: return qdots_n<1>(q, ex, x, n, out);
+    case 2: return qdots_n<2>(q, ex, x, n, out);
+    case 3: return qdots_n<3>(q, ex, x, n, out);
+    case 4: return qdots_n<4>(q, ex, x, n, out);
+    case 5: return qdots_n<5>(q, ex, x, n, out);
+    case 6: return qdots_n<6>(q, ex, x, n, out);
+    case 7: return qdots_n<7>(q, ex, x, n, out);
+    default: return qdots_n<8>(q, ex, x, n, out);
+  }
+}
+
+// The rows of stacked expert weights [E·out, in], and where input i of a vector goes in the
+// layout their dots read (`at`).
+struct DenseRows {
+  const float* w;
+  int64_t in;
+  static int64_t at(int64_t i, int64_t) { return i; }
+  void operator()(int64_t row, const float* const* x, int nt, float* out) const {
+    dots(w + row * in, x, nt, in, out);
+  }
+};
+
+struct Fp4Rows {
+  const uint8_t* q;
+  const uint8_t* ex;
+  int64_t in;
+  static int64_t at(int64_t i, int64_t n) { return (i & 1) ? n / 2 + i / 2 : i / 2; }
+  void operator()(int64_t row, const float* const* x, int nt, float* out) const {
+    qdots(q + row * in / 2, ex + row * in / 32, x, nt, in, out);
+  }
+};
+
 struct Pairs {
   std::vector<int32_t> experts;           // distinct selected experts, first use order
   std::vector<std::vector<int64_t>> of;   // per distinct expert: its pair indices t·k + j
@@ -121,38 +211,35 @@ Pairs group(const int32_t* sel, int64_t pairs, int64_t E) {
 
 constexpr int64_t ROWS = 32;  // output rows per work item
 
-ffi::Error RoutedF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> sel,
-                     ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> w1,
-                     ffi::Buffer<ffi::F32> w3, ffi::Buffer<ffi::F32> w2, float limit,
-                     ffi::ResultBuffer<ffi::F32> out) {
-  auto xd = x.dimensions(), sd = sel.dimensions(), wd = w1.dimensions();
-  const int64_t T = xd[0], D = xd[1], k = sd[1], E = wd[0], F = wd[1];
-  if (wd[2] != D || w2.dimensions()[1] != D || w2.dimensions()[2] != F)
-    return ffi::Error::InvalidArgument("routed_f32: expert shapes do not match x");
+// out [T, D]: the routed sum for tokens x [T, D] with picks sel, w [T, k]; experts W1, W3
+// (E·F rows of D inputs) and W2 (E·D rows of F inputs).
+template <typename Rows>
+void routed(ffi::ThreadPool& pool, const float* X, const int32_t* sel, const float* W, int64_t T,
+            int64_t k, int64_t E, int64_t D, int64_t F, const Rows& w1, const Rows& w3,
+            const Rows& w2, float limit, float* O) {
   const int64_t P = T * k;
-  Pairs g = group(sel.typed_data(), P, E);
-  std::vector<float> H(P * F), Y(P * D);
-  const float* X = x.typed_data();
+  Pairs g = group(sel, P, E);
+  std::vector<float> Xp(T * D), H(P * F), Y(P * D);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < D; ++i) Xp[t * D + Rows::at(i, D)] = X[t * D + i];
   std::vector<std::pair<int64_t, int64_t>> items;  // (slot, first row)
   for (size_t s = 0; s < g.experts.size(); ++s)
     for (int64_t r = 0; r < F; r += ROWS) items.emplace_back(s, r);
   parallel_for(pool, items.size(), [&](int64_t i) {
     auto [s, r0] = items[i];
     const int64_t e = g.experts[s];
+    const auto& ps = g.of[s];
     for (int64_t r = r0; r < std::min(F, r0 + ROWS); ++r) {
-      const float* a = w1.typed_data() + (e * F + r) * D;
-      const float* b = w3.typed_data() + (e * F + r) * D;
-      const auto& ps = g.of[s];
       for (size_t p0 = 0; p0 < ps.size(); p0 += NT) {
         const int nt = std::min<size_t>(NT, ps.size() - p0);
         const float* xs[NT];
         float gv[NT], uv[NT];
-        for (int q = 0; q < nt; ++q) xs[q] = X + (ps[p0 + q] / k) * D;
-        dots(a, xs, nt, D, gv);
-        dots(b, xs, nt, D, uv);
+        for (int q = 0; q < nt; ++q) xs[q] = Xp.data() + (ps[p0 + q] / k) * D;
+        w1(e * F + r, xs, nt, gv);
+        w3(e * F + r, xs, nt, uv);
         for (int q = 0; q < nt; ++q) {
-          float gq = std::min(gv[q], limit), uq = std::clamp(uv[q], -limit, limit);
-          H[ps[p0 + q] * F + r] = gq / (1.0f + std::exp(-gq)) * uq;
+          const float gq = std::min(gv[q], limit), uq = std::clamp(uv[q], -limit, limit);
+          H[ps[p0 + q] * F + Rows::at(r, F)] = gq / (1.0f + std::exp(-gq)) * uq;
         }
       }
     }
@@ -163,21 +250,18 @@ ffi::Error RoutedF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   parallel_for(pool, items.size(), [&](int64_t i) {
     auto [s, r0] = items[i];
     const int64_t e = g.experts[s];
+    const auto& ps = g.of[s];
     for (int64_t r = r0; r < std::min(D, r0 + ROWS); ++r) {
-      const float* a = w2.typed_data() + (e * D + r) * F;
-      const auto& ps = g.of[s];
       for (size_t p0 = 0; p0 < ps.size(); p0 += NT) {
         const int nt = std::min<size_t>(NT, ps.size() - p0);
         const float* hs[NT];
         float y[NT];
         for (int q = 0; q < nt; ++q) hs[q] = H.data() + ps[p0 + q] * F;
-        dots(a, hs, nt, F, y);
+        w2(e * D + r, hs, nt, y);
         for (int q = 0; q < nt; ++q) Y[ps[p0 + q] * D + r] = y[q];
       }
     }
   });
-  float* O = out->typed_data();
-  const float* W = w.typed_data();
   for (int64_t t = 0; t < T; ++t) {
     float* o = O + t * D;
     std::fill(o, o + D, 0.0f);
@@ -187,18 +271,58 @@ ffi::Error RoutedF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
       for (int64_t d = 0; d < D; ++d) o[d] += wt * y[d];
     }
   }
+}
+
+ffi::Error RoutedF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> sel,
+                     ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> w1,
+                     ffi::Buffer<ffi::F32> w3, ffi::Buffer<ffi::F32> w2, float limit,
+                     ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions(), wd = w1.dimensions();
+  const int64_t T = xd[0], D = xd[1], k = sel.dimensions()[1], E = wd[0], F = wd[1];
+  if (wd[2] != D || w2.dimensions()[1] != D || w2.dimensions()[2] != F)
+    return ffi::Error::InvalidArgument("routed_f32: expert shapes do not match x");
+  routed(pool, x.typed_data(), sel.typed_data(), w.typed_data(), T, k, E, D, F,
+         DenseRows{w1.typed_data(), D}, DenseRows{w3.typed_data(), D},
+         DenseRows{w2.typed_data(), F}, limit, out->typed_data());
   return ffi::Error::Success();
 }
 
-// y [T, N] = x [T, K] · W [N, K]ᵀ for a few tokens: each row of W read once for all of them.
-ffi::Error GemvF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                   ffi::ResultBuffer<ffi::F32> out) {
-  const int64_t T = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0];
-  if (w.dimensions()[1] != K) return ffi::Error::InvalidArgument("gemv_f32: K differs");
-  const float* X = x.typed_data();
-  const float* W = w.typed_data();
-  float* Y = out->typed_data();
-  constexpr int64_t R = 64;
+ffi::Error RoutedFp4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> sel,
+                     ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::U8> w1q,
+                     ffi::Buffer<ffi::U8> w1e, ffi::Buffer<ffi::U8> w3q,
+                     ffi::Buffer<ffi::U8> w3e, ffi::Buffer<ffi::U8> w2q,
+                     ffi::Buffer<ffi::U8> w2e, float limit, ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions(), wd = w1q.dimensions();
+  const int64_t T = xd[0], D = xd[1], k = sel.dimensions()[1], E = wd[0], F = wd[1];
+  if (D % 32 || F % 32 || wd[2] * 2 != D || w2q.dimensions()[1] != D ||
+      w2q.dimensions()[2] * 2 != F || w1e.dimensions()[2] * 32 != D ||
+      w2e.dimensions()[2] * 32 != F)
+    return ffi::Error::InvalidArgument("routed_fp4: expert shapes do not match x");
+  routed(pool, x.typed_data(), sel.typed_data(), w.typed_data(), T, k, E, D, F,
+         Fp4Rows{w1q.typed_data(), w1e.typed_data(), D},
+         Fp4Rows{w3q.typed_data(), w3e.typed_data(), D},
+         Fp4Rows{w2q.typed_data(), w2e.typed_data(), F}, limit, out->typed_data());
+  return ffi::Error::Success();
+}
+
+// y [..., N] = x [..., K] · W [N, K]ᵀ for a few tokens (x's leading dims flattened; W's leading
+// dims all 1, as vmap's expand_dims passes an unbatched weight): each row of W read once for
+// all of them.
+ffi::Error GemvF32(ffi::ThreadPool pool, ffi::AnyBuffer x_any, ffi::AnyBuffer w_any,
+                   ffi::Result<ffi::AnyBuffer> out) {
+  auto xd = x_any.dimensions(), wd = w_any.dimensions();
+  if (xd.size() < 1 || wd.size() < 2 || x_any.element_type() != ffi::F32 ||
+      w_any.element_type() != ffi::F32)
+    return ffi::Error::InvalidArgument("gemv_f32: f32 x [..., K] and w [..., N, K]");
+  const int64_t K = xd.back(), N = wd[wd.size() - 2];
+  if (wd.back() != K) return ffi::Error::InvalidArgument("gemv_f32: K differs");
+  for (size_t i = 0; i + 2 < wd.size(); ++i)
+    if (wd[i] != 1) return ffi::Error::InvalidArgument("gemv_f32: a batched weight");
+  const int64_t T = K ? x_any.element_count() / K : 0;
+  const float* X = x_any.typed_data<float>();
+  const float* W = w_any.typed_data<float>();
+  float* Y = out->typed_data<float>();
+  constexpr int64_t R = 64;  // rows per work item
   parallel_for(pool, (N + R - 1) / R, [&](int64_t i) {
     for (int64_t r = i * R; r < std::min(N, (i + 1) * R); ++r) {
       for (int64_t t0 = 0; t0 < T; t0 += NT) {
@@ -214,14 +338,53 @@ ffi::Error GemvF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
+// The index of each row's largest value, as jnp.argmax picks it: the first maximum, or the
+// first NaN if the row has one. XLA:CPU's reduction over a 129,280-token vocabulary took
+// 2.5 ms for 8 rows on every decode step (issue 27).
+int32_t argmax_row(const float* x, int64_t n) {
+  float best = -INFINITY;
+  bool nan = false;
+  int64_t i = 0;
+#if defined(__AVX2__)
+  __m256 m = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    un = _mm256_or_ps(un, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    m = _mm256_max_ps(m, v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  for (float l : lanes) best = std::max(best, l);
+  nan = _mm256_movemask_ps(un) != 0;
+#endif
+  for (; i < n; ++i) {
+    if (std::isnan(x[i])) nan = true;
+    else best = std::max(best, x[i]);
+  }
+  for (int64_t j = 0; j < n; ++j)
+    if (nan ? std::isnan(x[j]) : x[j] == best) return static_cast<int32_t>(j);
+  return 0;
+}
+
+ffi::Error ArgmaxF32(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
+  auto xd = x.dimensions();
+  if (xd.size() < 1 || x.element_type() != ffi::F32 || out->element_type() != ffi::S32)
+    return ffi::Error::InvalidArgument("argmax_f32: f32 [..., V] in, int32 [...] out");
+  const int64_t V = xd.back(), rows = V ? x.element_count() / V : 0;
+  const float* X = x.typed_data<float>();
+  int32_t* Y = out->typed_data<int32_t>();
+  parallel_for(pool, rows, [&](int64_t r) { Y[r] = argmax_row(X + r * V, V); });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_gemv_f32, GemvF32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_routed_f32, RoutedF32,
                               ffi::Ffi::Bind()
@@ -234,3 +397,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_routed_f32, RoutedF32,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("limit")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_routed_fp4, RoutedFp4,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Attr<float>("limit")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_argmax_f32, ArgmaxF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());

@@ -15,6 +15,8 @@ import pytest
 from ds4jax import native
 from ds4jax.config import load_config
 from ds4jax.model import layers
+from ds4jax.model.quantized import QWeight, stack
+from ds4jax.weights import official
 
 CFG = load_config("bench-192m")
 
@@ -36,9 +38,23 @@ def _experts(E: int, F: int, D: int, seed: int = 0) -> dict[str, jax.Array]:
             for n, s in shapes.items()}  # fmt: skip
 
 
+def _fp4_experts(ex: dict[str, jax.Array]) -> dict[str, QWeight]:
+    """The experts as `--weights fp4-experts` keeps them (the release's FP4 layout)."""
+
+    def one(w: np.ndarray) -> QWeight:
+        packed, scale = official.quantize_fp4(w)
+        return QWeight(packed.view(np.uint8), scale.view(np.uint8), (1, 32))
+
+    return {
+        n: QWeight(*(jnp.asarray(a) for a in (q.q, q.exp)), q.block)
+        for n, q in ((n, stack([one(np.asarray(e)) for e in w])) for n, w in ex.items())
+    }
+
+
 def _routed_both(ex, x, sel, w, rows: bool):
     """(the kernel's result, the twin's), each traced in a program of its own."""
-    cfg = CFG.replace(num_experts=ex["w1"].shape[0])
+    E = ex["w1"].q.shape[0] if isinstance(ex["w1"], QWeight) else ex["w1"].shape[0]
+    cfg = CFG.replace(num_experts=E)
 
     def run(x, sel, w):
         return layers._routed(cfg, ex, x, sel, w, rows)
@@ -50,10 +66,13 @@ def _routed_both(ex, x, sel, w, rows: bool):
 
 
 # (tokens, rows): one decode token; a batched step's rows; a short chunk of one sequence
+@pytest.mark.parametrize("fp4", [False, True], ids=["f32", "fp4"])
 @pytest.mark.parametrize("T,rows", [(1, False), (2, True), (4, True), (8, True), (3, False)])
-def test_routed_matches_twin(T, rows):
+def test_routed_matches_twin(T, rows, fp4):
     E, F, D, k = 16, 224, 512, 4
     ex = _experts(E, F, D)
+    if fp4:
+        ex = _fp4_experts(ex)
     rng = np.random.default_rng(T)
     x = jnp.asarray(rng.standard_normal((T, D), dtype=np.float32))
     sel = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
@@ -85,6 +104,7 @@ def test_a_token_alone_equals_the_same_token_in_a_batch():
     sel = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(8)]), jnp.int32)
     w = jnp.asarray(rng.random((8, k), dtype=np.float32))
     f = jax.jit(native.routed, static_argnums=4)
+    ex = [ex[n] for n in ("w1", "w3", "w2")]
     batch = np.asarray(f(x, sel, w, ex, CFG.swiglu_limit))
     for t in (0, 5):
         alone = np.asarray(f(x[t : t + 1], sel[t : t + 1], w[t : t + 1], ex, CFG.swiglu_limit))
@@ -106,8 +126,11 @@ def test_what_the_kernels_do_not_take():
     x = jnp.zeros((2, 8), jnp.float32)
     assert not native.gemv_supported(x.astype(jnp.bfloat16), jnp.zeros((4, 8)))
     assert not native.gemv_supported(jnp.zeros((native.GEMV_ROWS + 1, 8)), jnp.zeros((4, 8)))
-    ex = {n: jnp.zeros((2, 4, 8), jnp.bfloat16) for n in ("w1", "w3", "w2")}
-    assert not native.routed_supported(x, ex)
+    assert not native.routed_supported(x, [jnp.zeros((2, 4, 8), jnp.bfloat16)] * 3)
+    assert native.routed_supported(x, [jnp.zeros((2, 4, 8), jnp.float32)] * 3)
+    codes, exps = jnp.zeros((2, 4, 32), jnp.uint8), jnp.zeros((2, 4, 2), jnp.uint8)
+    assert native.routed_supported(x, [(codes, exps)] * 3)
+    assert not native.routed_supported(x, [(codes, exps[..., :1])] * 3)  # a partial block
 
 
 def test_no_compiler_runs_the_twins(tmp_path):
@@ -130,3 +153,35 @@ def test_no_compiler_runs_the_twins(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ok True" in done.stdout
     assert "native CPU kernels unavailable" in done.stderr
+
+
+def test_gemv_under_vmap_reads_the_weight_once_for_every_row():
+    """A batched step's per-row attention calls `linear` inside `vmap`: one call takes the
+    rows' tokens together (`expand_dims`), and each row gets its own product."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((4, 1, 96), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((130, 96), dtype=np.float32))
+    got = np.asarray(jax.jit(jax.vmap(lambda r: layers.linear(r, w)))(x))
+    assert got.shape == (4, 1, 130)
+    hlo = jax.jit(jax.vmap(lambda r: layers.linear(r, w))).lower(x).as_text()
+    assert hlo.count("ds4jax_gemv_f32") == 1
+    want = np.einsum("btk,nk->btn", np.asarray(x, np.float64), np.asarray(w, np.float64))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_argmax_matches_the_twin_on_ties_nans_and_infinities():
+    from ds4jax.sampling import argmax
+
+    rng = np.random.default_rng(11)
+    x = rng.integers(-3, 3, size=(12, 1037)).astype(np.float32)  # many ties
+    x[1, [5, 900]] = np.nan
+    x[2, 1030] = np.nan  # in the tail past the last 8-float vector
+    x[3] = -np.inf
+    x[4, [7, 8]] = np.inf
+    x[5, 1036] = 99.0
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+    with native.disabled():
+        twin = np.asarray(jax.jit(lambda v: argmax(v))(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    np.testing.assert_array_equal(twin, got)
+    assert "ds4jax_argmax_f32" in jax.jit(argmax).lower(jnp.asarray(x)).as_text()
