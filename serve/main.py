@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any
 
+from ds4jax import native
 from ds4jax.config import CONFIG_DIR
 from ds4jax.continuation.reasoning_seal import ReasoningSeal
 from ds4jax.engine import Engine
@@ -155,6 +156,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     per_device = max(device_bytes(params).values())
     banner += (f"; weights {args.weights}: {per_device / 2**20:.1f} MB per device; states "
                f"{cfg.state_dtype}")  # fmt: skip
+    if native.on_cpu():  # built here, at start-up, the first time (seconds, once per machine)
+        banner += f"; native CPU kernels {'on' if native.active() else 'off'}"
     mesh = placement.mesh
     if args.num_processes > 1:
         import jax

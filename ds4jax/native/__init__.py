@@ -120,9 +120,13 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def on_cpu() -> bool:
+    return jax.default_backend() == "cpu"
+
+
 def active() -> bool:
     """Whether a program traced now takes the native kernels: on, on CPU, and built."""
-    return _enabled and jax.default_backend() == "cpu" and library() is not None
+    return _enabled and on_cpu() and library() is not None
 
 
 #: the routed experts' weights as `routed` takes them: three f32 arrays (w1, w3 [E, F, D],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from ds4jax import native
 from ds4jax.engine.paging import PAGED_START
 from ds4jax.model.pages import page_bytes
 from serve.main import add_arguments, build_engine, default_state_dtype, default_state_memory
@@ -26,6 +27,8 @@ def test_fp8_paged_states_with_a_memory_budget() -> None:
     assert engine.pages.limit >= 2**28 // page_bytes(engine.cfg, "fp8")
     assert engine.pages.pool.num_pages == PAGED_START  # not the budget's pages up front
     assert "in pages" in banner and "states fp8" in banner
+    # whether the native CPU kernels run (ds4jax.native; on, here) is in the banner
+    assert f"native CPU kernels {'on' if native.active() else 'off'}" in banner
     # served end to end with these flags (and the CPU default fp8): the demo server of
     # tests/serve runs `--paged` (DEMO_SERVE_ARGS)
 
