@@ -103,8 +103,8 @@ def library_path() -> Path:
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """The built library with its targets registered for the CPU platform, or None (kernels
-    off, or no working compiler: warned once)."""
+    """The built library with its targets registered for the CPU platform, or None where it
+    cannot be built or loaded (warned once; `active` is then False)."""
     path = library_path()
     try:
         if not path.exists():

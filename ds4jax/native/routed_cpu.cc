@@ -1,14 +1,16 @@
-// The routed experts of a decode step on CPU, as one XLA FFI call (issue 27).
+// CPU kernels of a decode step as XLA FFI calls (issue 27; ds4jax/native/__init__.py builds,
+// registers and calls them, and names each one's jnp twin).
 //
-// XLA:CPU copies each selected expert out of the stacked [E, out, in] weights before its
-// product (a dynamic slice feeding a library dot) and runs each small product as a call
-// of its own. Here every selected expert's rows are read in place, once for all the tokens
-// that picked it, and the work is split over XLA's own intra-op thread pool.
-//
-// Arithmetic, per token t and pick j (e = sel[t, j]), in the order of the jnp twin
-// (`ds4jax.model.layers._routed`): h = silu(min(W1[e]·x, L)) · clip(W3[e]·x, −L, L),
-// y = W2[e]·h, out[t] = Σ_j w[t, j] · y in j order. A weight is f32, or FP4 E2M1 codes
-// packed two per byte (low nibble: the even input) with one E8M0 exponent per 32 inputs.
+// XLA:CPU runs a decode step of a small model as hundreds of library calls, most of them
+// small products below the machine's bandwidth, and it copies each selected expert out of
+// the stacked [E, out, in] weights before its product. Here a weight is read in place, once
+// for all the tokens of the call, and the work is split over XLA's own intra-op thread pool:
+// * routed experts, per token t and pick j (e = sel[t, j]), as the twin
+//   (`ds4jax.model.layers._routed`): h = silu(min(W1[e]·x, L)) · clip(W3[e]·x, −L, L),
+//   y = W2[e]·h, out[t] = Σ_j w[t, j] · y in j order; a weight f32, or FP4 E2M1 codes packed
+//   two per byte (low nibble: the even input) with one E8M0 exponent per 32 inputs;
+// * a GEMV for a few tokens (every f32 linear of a decode step, the head included);
+// * argmax (greedy selection).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
