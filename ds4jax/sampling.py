@@ -16,7 +16,7 @@ def argmax(logits: jax.Array) -> jax.Array:
     scalar loop — 1.29 ms for 4 rows of a 129,280-token vocabulary against 0.30 ms this
     way, on every decode step (issue 27). On CPU, the native kernel (`native.argmax`): XLA's
     maximum over 8 such rows still took 2.5 ms."""
-    if native.active() and logits.dtype == jnp.float32 and logits.shape[-1]:
+    if native.active() and native.unpartitioned() and logits.dtype == jnp.float32:
         return native.argmax(logits)
     # a NaN is looked for apart: XLA:CPU's vectorized maximum of a long row can skip one
     nan = jnp.isnan(logits)

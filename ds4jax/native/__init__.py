@@ -129,6 +129,14 @@ def active() -> bool:
     return _enabled and on_cpu() and library() is not None
 
 
+def unpartitioned() -> bool:
+    """No mesh is set for the program traced now (`jax.set_mesh`, as the engine does around
+    its programs on a mesh). An FFI call has no partitioning rule, so on a mesh XLA would
+    gather its operands — a sharded weight whole — onto every device: there the jnp twins
+    run, except inside `shard_map`'s per-device code (`model.sharding.expert_parallel`)."""
+    return jax.sharding.get_abstract_mesh().empty
+
+
 #: the routed experts' weights as `routed` takes them: three f32 arrays (w1, w3 [E, F, D],
 #: w2 [E, D, F]), or three FP4 pairs (codes packed two per byte [E, out, in/2] — the low
 #: nibble the even input — and E8M0 exponents [E, out, in/32], as `--weights fp4-experts`
@@ -171,8 +179,9 @@ GEMV_ROWS = 9
 
 def gemv_supported(x: jax.Array, w: Any) -> bool:
     """Whether `gemv` takes these operands: f32 tokens [..., K], at most `GEMV_ROWS` of them,
-    and a plain f32 weight [N, K]."""
-    return (x.ndim >= 1 and math.prod(x.shape[:-1]) <= GEMV_ROWS and x.dtype == jnp.float32
+    and a plain f32 weight [N, K], with no mesh set (`unpartitioned`)."""
+    return (unpartitioned() and x.ndim >= 1 and math.prod(x.shape[:-1]) <= GEMV_ROWS
+            and x.dtype == jnp.float32
             and isinstance(w, jax.Array | np.ndarray) and w.ndim == 2
             and w.dtype == jnp.float32 and w.shape[1] == x.shape[-1])  # fmt: skip
 

@@ -20,12 +20,14 @@ from ds4jax.weights import official
 
 CFG = load_config("bench-192m")
 
+pytestmark = pytest.mark.skipif(
+    os.environ.get("DS4JAX_NATIVE") == "0", reason="DS4JAX_NATIVE=0: the kernels are off"
+)
+
 
 def test_the_library_builds_here():
     """This machine has a compiler, so the kernels must be on: a broken build fails here
-    rather than quietly running the twins (`DS4JAX_NATIVE=0` turns them off on purpose)."""
-    if os.environ.get("DS4JAX_NATIVE") == "0":
-        pytest.skip("DS4JAX_NATIVE=0: the kernels are off on purpose")
+    rather than quietly running the twins."""
     assert native.library() is not None
     assert native.active()
     assert native.library_path().exists()
@@ -185,3 +187,14 @@ def test_argmax_matches_the_twin_on_ties_nans_and_infinities():
     np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
     np.testing.assert_array_equal(twin, got)
     assert "ds4jax_argmax_f32" in jax.jit(argmax).lower(jnp.asarray(x)).as_text()
+
+
+def test_on_a_mesh_the_products_are_left_to_xla():
+    """An FFI call has no partitioning rule (XLA would gather a sharded weight whole onto
+    every device), so with a mesh set the linears and argmax take their twins."""
+    x, w = jnp.ones((1, 64), jnp.float32), jnp.ones((32, 64), jnp.float32)
+    assert native.gemv_supported(x, w)
+    with jax.set_mesh(jax.make_mesh((1,), ("data",))):
+        assert not native.gemv_supported(x, w)
+        hlo = jax.jit(lambda v: layers.linear(v, w)).lower(x).as_text()
+    assert "ds4jax_gemv_f32" not in hlo
