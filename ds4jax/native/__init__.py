@@ -1,19 +1,23 @@
 """Native CPU kernels: XLA FFI calls built from C++ on first use (issue 27).
 
-XLA:CPU runs a decode step as hundreds of small library calls, and it copies each selected
-expert out of the stacked expert weights before its product. `routed_cpu.cc` does the
-routed experts of a decode step in one call: every selected expert read in place, once for
-all the tokens that picked it, the work spread over XLA's own intra-op thread pool. Its
-pure-jnp twin is `model.layers._routed` with the kernel off (`disabled`), and the tests
-compare the two.
+XLA:CPU runs a decode step as hundreds of small library calls, most of them products below
+the machine's bandwidth, and it copies each selected expert out of the stacked expert
+weights before its product. `routed_cpu.cc` (named for its first kernel) holds the decode
+step's kernels, each reading a weight in place once for all the tokens of the call, the
+work spread over XLA's own intra-op thread pool: `routed` (the routed experts, f32 or FP4;
+twin: `model.layers._routed`), `gemv` (every f32 linear of up to `GEMV_ROWS` tokens, the
+head included; twin: XLA's dot in `model.quantized.matmul`) and `argmax` (greedy selection;
+twin: `sampling.argmax`'s reductions). The callers take a kernel when `active()` and its
+`*_supported` say so, else the twin; `disabled()` forces the twins, and `tests/native`
+compares each pair.
 
 The library is compiled with the machine's C++ compiler (`$CXX`, else `c++`, `-O3
 -march=native`) into `~/.cache/ds4jax/native/` (`DS4JAX_NATIVE_CACHE`), under a name that
 hashes the source, the flags, the compiler, jaxlib and this CPU, so a shared home directory
 never serves a library built for another CPU; a build writes a temporary file and renames
 it, so processes building at once never load half a file. Where no compiler works, a
-warning says so once and the twin runs: nothing else changes. `DS4JAX_NATIVE=0` turns the
-kernels off (the twin then runs everywhere).
+warning says so once and the twins run: nothing else changes. `DS4JAX_NATIVE=0` turns the
+kernels off (the twins then run everywhere).
 """
 
 from __future__ import annotations
