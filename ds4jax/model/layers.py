@@ -210,9 +210,10 @@ def _gather_selected(cfg: Config, rows: int, k: int) -> bool:
     return rows * cfg.num_heads > 4 * k * cfg.head_dim
 
 
-def _indexer_pick(cfg: Config, ip: Params, x, qr, idx, visible, positions, freqs):
+def _indexer_pick(cfg: Config, ip: Params, x, qr, idx, visible, positions, freqs,
+                  gather: bool = False):  # fmt: skip
     """The indexer's top-k compressed rows for each query: (indices [T, k], chosen [T, k])
-    when `_gather_selected` prefers gathering them, else a mask [T, rows]."""
+    when `gather` or `_gather_selected` prefers gathering them, else a mask [T, rows]."""
     T, ihd = x.shape[0], cfg.index_head_dim
     iq = linear(qr, ip["wq_b"]).reshape(T, cfg.index_heads, ihd)
     iq = apply_rope(iq, positions, freqs)
@@ -223,7 +224,7 @@ def _indexer_pick(cfg: Config, ip: Params, x, qr, idx, visible, positions, freqs
     k = min(cfg.index_topk, idx.shape[0])
     top_v, top_i = jax.lax.top_k(isc, k)
     chosen = jnp.isfinite(top_v)
-    if _gather_selected(cfg, idx.shape[0], k):
+    if gather or _gather_selected(cfg, idx.shape[0], k):
         return top_i, chosen
     return jnp.zeros(isc.shape, bool).at[jnp.arange(T)[:, None], top_i].set(chosen)
 
@@ -255,18 +256,29 @@ def attention(
     # (it is older than the window by the ring's REWIND room)
     slots = jnp.arange(R)
     ring_pos = (n - 1) - jnp.mod(n - 1 - slots, R)
-    keys = jnp.concatenate([ls.raw, kv])
-    key_pos = jnp.concatenate([ring_pos, positions])
-    key_ok = jnp.concatenate([ring_pos >= 0, valid])
     qp = positions[:, None]
-    raw_mask = key_ok[None, :] & (key_pos[None, :] <= qp) & (key_pos[None, :] > qp - W)
+
+    def in_window(key_pos: jax.Array, key_ok: jax.Array) -> jax.Array:
+        return key_ok[None, :] & (key_pos[None, :] <= qp) & (key_pos[None, :] > qp - W)
+
+    ring_mask, own_mask = in_window(ring_pos, ring_pos >= 0), in_window(positions, valid)
+    keys = jnp.concatenate([ls.raw, kv])
+    raw_mask = jnp.concatenate([ring_mask, own_mask], 1)
     sink = p["attn_sink"]
     attend = pallas_kernels.select(cfg.attention_impl, "sink_attention")
+    # a decode step on CPU: the native kernel reads the ring, the step's keys and the picked
+    # compressed rows where they are (the twins above take them concatenated)
+    direct = native.active() and native.attend_supported(
+        q, ls.raw, kv, *([] if ls.comp is None else [ls.comp])
+    )
+
+    def attend_direct(**comp: jax.Array) -> jax.Array:
+        return native.attend(q, ls.raw, ring_mask, kv, own_mask, sink, **comp)
 
     new = LayerState(ring_write(ls.raw, kv, n, n_valid))
 
     if kind == "sliding":
-        o = attend(q, keys, raw_mask, sink)
+        o = attend_direct() if direct else attend(q, keys, raw_mask, sink)
     else:
         r, c = cfg.compress_ratios[layer], (2 if kind == "csa" else 1)
         cp = p["compressor"]
@@ -280,7 +292,10 @@ def attention(
         )  # fmt: skip
         new.comp, new.comp_kv, new.comp_score = comp, st_kv, st_sc
         visible = jnp.arange(comp.shape[0])[None, :] < (qp + 1) // r  # [T, cap]
-        if kind == "hca":
+        every_row = jnp.broadcast_to(jnp.arange(comp.shape[0]), visible.shape)
+        if kind == "hca" and direct:
+            o = attend_direct(comp=comp, pick=every_row, pick_ok=visible)
+        elif kind == "hca":
             o = attend(
                 q, jnp.concatenate([keys, comp]), jnp.concatenate([raw_mask, visible], 1), sink
             )
@@ -302,8 +317,12 @@ def attention(
                 # there): the same set without scoring or a top-k
                 picked = visible
             else:
-                picked = _indexer_pick(cfg, ip, x, qr, idx, visible, positions, freqs)
-            if isinstance(picked, tuple):  # (indices, chosen): gather them
+                picked = _indexer_pick(cfg, ip, x, qr, idx, visible, positions, freqs,
+                                       gather=direct)  # fmt: skip
+            if direct:
+                pick, ok = picked if isinstance(picked, tuple) else (every_row, picked)
+                o = attend_direct(comp=comp, pick=pick, pick_ok=ok)
+            elif isinstance(picked, tuple):  # (indices, chosen): gather them
                 sparse = pallas_kernels.select(cfg.attention_impl, "sparse_attention")
                 o = sparse(q, keys, raw_mask, comp, *picked, sink)
             else:  # a mask over all rows

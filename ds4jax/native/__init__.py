@@ -5,9 +5,11 @@ the machine's bandwidth, and it copies each selected expert out of the stacked e
 weights before its product. `routed_cpu.cc` (named for its first kernel) holds the decode
 step's kernels, each reading a weight in place once for all the tokens of the call, the
 work spread over XLA's own intra-op thread pool: `routed` (the routed experts, f32 or FP4;
-twin: `model.layers._routed`), `gemv` (every f32 linear of up to `GEMV_ROWS` tokens, the
-head included; twin: XLA's dot in `model.quantized.matmul`) and `argmax` (greedy selection;
-twin: `sampling.argmax`'s reductions). The callers take a kernel when `active()` and its
+twin: `model.layers._routed`), `gemv` (every f32 or bf16 linear of up to `GEMV_ROWS`
+tokens, the head included; twin: XLA's dot in `model.quantized.matmul`), `argmax` (greedy selection;
+twin: `sampling.argmax`'s reductions) and `attend` (a decode step's attention over a layer's
+key sources in place; twins: `pallas_kernels.sink_attention_reference` and
+`sparse_attention_reference`). The callers take a kernel when `active()` and its
 `*_supported` say so, else the twin; `disabled()` forces the twins, and `tests/native`
 compares each pair.
 
@@ -47,7 +49,13 @@ SOURCE = Path(__file__).with_name("routed_cpu.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
          "-Wall", "-Wno-attributes", "-Wno-return-type", "-Wno-sign-compare")  # fmt: skip
 #: the FFI targets the library defines
-TARGETS = ("ds4jax_routed_f32", "ds4jax_routed_fp4", "ds4jax_gemv_f32", "ds4jax_argmax_f32")
+TARGETS = (
+    "ds4jax_routed_f32",
+    "ds4jax_routed_fp4",
+    "ds4jax_gemv_f32",
+    "ds4jax_argmax_f32",
+    "ds4jax_attend_f32",
+)
 
 _enabled = os.environ.get("DS4JAX_NATIVE", "1") != "0"
 
@@ -124,6 +132,14 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def _ffi(name: str, out: Any, **kwargs: Any) -> Any:
+    """The FFI call of one of the library's targets, registered first (a kernel called
+    directly, before any `active()`, finds its handler)."""
+    if library() is None:
+        raise RuntimeError(f"{name}: the native CPU kernels are unavailable here")
+    return jax.ffi.ffi_call(name, out, **kwargs)
+
+
 def on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
@@ -172,7 +188,7 @@ def routed(x: jax.Array, sel: jax.Array, w: jax.Array, experts: Experts,
         name, arrays = "ds4jax_routed_fp4", [a for pair in experts for a in pair]
     else:
         name, arrays = "ds4jax_routed_f32", list(experts)
-    call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    call = _ffi(name, jax.ShapeDtypeStruct(x.shape, x.dtype))
     return call(x, sel.astype(jnp.int32), w.astype(jnp.float32), *arrays,
                 limit=np.float32(limit))  # fmt: skip
 
@@ -183,11 +199,12 @@ GEMV_ROWS = 9
 
 def gemv_supported(x: jax.Array, w: Any) -> bool:
     """Whether `gemv` takes these operands: f32 tokens [..., K], at most `GEMV_ROWS` of them,
-    and a plain f32 weight [N, K], with no mesh set (`unpartitioned`)."""
+    and a plain f32 or bf16 weight [N, K] (bf16 widened exactly, products in f32, as the
+    twin's `dequantize` does), with no mesh set (`unpartitioned`)."""
     return (unpartitioned() and x.ndim >= 1 and math.prod(x.shape[:-1]) <= GEMV_ROWS
             and x.dtype == jnp.float32
             and isinstance(w, jax.Array | np.ndarray) and w.ndim == 2
-            and w.dtype == jnp.float32 and w.shape[1] == x.shape[-1])  # fmt: skip
+            and w.dtype in (jnp.float32, jnp.bfloat16) and w.shape[1] == x.shape[-1])  # fmt: skip
 
 
 def gemv(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -196,10 +213,36 @@ def gemv(x: jax.Array, w: jax.Array) -> jax.Array:
     tokens' as a GEMM that packs the whole weight first. Under `vmap` (a batched step's
     per-row attention) the rows' tokens go to one call (`expand_dims`), not one each."""
     out = jax.ShapeDtypeStruct((*x.shape[:-1], w.shape[0]), x.dtype)
-    return jax.ffi.ffi_call("ds4jax_gemv_f32", out, vmap_method="expand_dims")(x, w)
+    return _ffi("ds4jax_gemv_f32", out, vmap_method="expand_dims")(x, w)
 
 
 def argmax(x: jax.Array) -> jax.Array:
     """`jnp.argmax(x, axis=-1)` of f32 rows as int32 (the first maximum, the first NaN if any)."""
     out = jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32)
-    return jax.ffi.ffi_call("ds4jax_argmax_f32", out, vmap_method="expand_dims")(x)
+    return _ffi("ds4jax_argmax_f32", out, vmap_method="expand_dims")(x)
+
+
+def attend_supported(q: jax.Array, *keys: jax.Array) -> bool:
+    """Whether `attend` takes these operands: f32 queries [T, H, D] of at most `GEMV_ROWS`
+    tokens (a decode step, a speculative verification) and f32 keys, no mesh set."""
+    return (unpartitioned() and q.ndim == 3 and q.shape[0] <= GEMV_ROWS
+            and all(a.dtype == jnp.float32 for a in (q, *keys)))  # fmt: skip
+
+
+def attend(q: jax.Array, raw: jax.Array, raw_ok: jax.Array, own: jax.Array, own_ok: jax.Array,
+           sink: jax.Array, comp: jax.Array | None = None, pick: jax.Array | None = None,
+           pick_ok: jax.Array | None = None) -> jax.Array:  # fmt: skip
+    """Sink attention of q [T, H, D] over the keys (= values) each query sees: the raw
+    window's ring raw [R, D] where raw_ok [T, R], the step's own keys own [T', D] where
+    own_ok [T, T'], and the compressed rows comp [C, D] named by pick [T, P] where
+    pick_ok [T, P] — the twins' result over the concatenated keys, without concatenating
+    them (XLA copied a CSA layer's 2,192 keys twice per step at an 8k context, once
+    transposed). Under `vmap` every operand takes the row axis (`broadcast_all`)."""
+    T, _, D = q.shape
+    if comp is None:
+        comp = jnp.zeros((0, D), jnp.float32)
+        pick, pick_ok = jnp.zeros((T, 0), jnp.int32), jnp.zeros((T, 0), bool)
+    out = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    call = _ffi("ds4jax_attend_f32", out, vmap_method="broadcast_all")
+    return call(q, raw, raw_ok.astype(bool), own, own_ok.astype(bool), comp,
+                pick.astype(jnp.int32), pick_ok.astype(bool), sink.astype(jnp.float32))  # fmt: skip

@@ -9,12 +9,17 @@
 //   (`ds4jax.model.layers._routed`): h = silu(min(W1[e]·x, L)) · clip(W3[e]·x, −L, L),
 //   y = W2[e]·h, out[t] = Σ_j w[t, j] · y in j order; a weight f32, or FP4 E2M1 codes packed
 //   two per byte (low nibble: the even input) with one E8M0 exponent per 32 inputs;
-// * a GEMV for a few tokens (every f32 linear of a decode step, the head included);
-// * argmax (greedy selection).
+// * a GEMV for a few tokens (every linear of a decode step, the head included; weights
+//   f32 or bf16, products in f32);
+// * argmax (greedy selection);
+// * decode attention with an attention sink over a layer's key sources in place (the raw
+//   window's ring, the step's own keys, the compressed rows a query picked), where XLA
+//   concatenated them — twice, once transposed — before its products.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -65,30 +70,49 @@ inline float hsum(__m256 v) {
 }
 #endif
 
+// A weight element as f32: f32 itself, or bfloat16 (the upper half of an f32, so the
+// expansion is exact and a bf16-held weight gives the products of its f32 values).
+using bf16 = uint16_t;
+inline float widen(float v) { return v; }
+inline float widen(bf16 v) {
+  const uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
 // dots of one weight row a[n] with N vectors b[t][n] (the tokens of one expert): the row
 // is read from memory once for all of them. N is a template parameter, so the
 // accumulators stay in registers; each token's sum is formed the same way whatever N is,
 // so a token's result does not depend on which others share its call.
 constexpr int NT = 8;
-template <int N>
-inline void dots_n(const float* a, const float* const* b, int64_t n, float* out) {
+template <int N, typename W>
+inline void dots_n(const W* a, const float* const* b, int64_t n, float* out) {
   int64_t i = 0;
   float acc[N] = {};
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 s[N];
   for (int t = 0; t < N; ++t) s[t] = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) {
-    const __m256 av = _mm256_loadu_ps(a + i);
+    const __m256 av = load8(a + i);
     for (int t = 0; t < N; ++t) s[t] = _mm256_fmadd_ps(av, _mm256_loadu_ps(b[t] + i), s[t]);
   }
   for (int t = 0; t < N; ++t) acc[t] = hsum(s[t]);
 #endif
   for (; i < n; ++i)
-    for (int t = 0; t < N; ++t) acc[t] += a[i] * b[t][i];
+    for (int t = 0; t < N; ++t) acc[t] += widen(a[i]) * b[t][i];
   for (int t = 0; t < N; ++t) out[t] = acc[t];
 }
 
-inline void dots(const float* a, const float* const* b, int nt, int64_t n, float* out) {
+template <typename W>
+inline void dots(const W* a, const float* const* b, int nt, int64_t n, float* out) {
   switch (nt) {
     case 1: return dots_n<1>(a, b, n, out);
     case 2: return dots_n<2>(a, b, n, out);
@@ -310,20 +334,9 @@ ffi::Error RoutedFp4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 // y [..., N] = x [..., K] · W [N, K]ᵀ for a few tokens (x's leading dims flattened; W's leading
 // dims all 1, as vmap's expand_dims passes an unbatched weight): each row of W read once for
 // all of them.
-ffi::Error GemvF32(ffi::ThreadPool pool, ffi::AnyBuffer x_any, ffi::AnyBuffer w_any,
-                   ffi::Result<ffi::AnyBuffer> out) {
-  auto xd = x_any.dimensions(), wd = w_any.dimensions();
-  if (xd.size() < 1 || wd.size() < 2 || x_any.element_type() != ffi::F32 ||
-      w_any.element_type() != ffi::F32)
-    return ffi::Error::InvalidArgument("gemv_f32: f32 x [..., K] and w [..., N, K]");
-  const int64_t K = xd.back(), N = wd[wd.size() - 2];
-  if (wd.back() != K) return ffi::Error::InvalidArgument("gemv_f32: K differs");
-  for (size_t i = 0; i + 2 < wd.size(); ++i)
-    if (wd[i] != 1) return ffi::Error::InvalidArgument("gemv_f32: a batched weight");
-  const int64_t T = K ? x_any.element_count() / K : 0;
-  const float* X = x_any.typed_data<float>();
-  const float* W = w_any.typed_data<float>();
-  float* Y = out->typed_data<float>();
+template <typename W>
+void gemv(ffi::ThreadPool& pool, const float* X, const W* Wt, int64_t T, int64_t N, int64_t K,
+          float* Y) {
   constexpr int64_t R = 64;  // rows per work item
   parallel_for(pool, (N + R - 1) / R, [&](int64_t i) {
     for (int64_t r = i * R; r < std::min(N, (i + 1) * R); ++r) {
@@ -332,11 +345,31 @@ ffi::Error GemvF32(ffi::ThreadPool pool, ffi::AnyBuffer x_any, ffi::AnyBuffer w_
         const float* xs[NT];
         float y[NT];
         for (int q = 0; q < nt; ++q) xs[q] = X + (t0 + q) * K;
-        dots(W + r * K, xs, nt, K, y);
+        dots(Wt + r * K, xs, nt, K, y);
         for (int q = 0; q < nt; ++q) Y[(t0 + q) * N + r] = y[q];
       }
     }
   });
+}
+
+ffi::Error GemvF32(ffi::ThreadPool pool, ffi::AnyBuffer x_any, ffi::AnyBuffer w_any,
+                   ffi::Result<ffi::AnyBuffer> out) {
+  auto xd = x_any.dimensions(), wd = w_any.dimensions();
+  const bool half = w_any.element_type() == ffi::BF16;
+  if (xd.size() < 1 || wd.size() < 2 || x_any.element_type() != ffi::F32 ||
+      (w_any.element_type() != ffi::F32 && !half))
+    return ffi::Error::InvalidArgument("gemv_f32: f32 x [..., K] and f32/bf16 w [..., N, K]");
+  const int64_t K = xd.back(), N = wd[wd.size() - 2];
+  if (wd.back() != K) return ffi::Error::InvalidArgument("gemv_f32: K differs");
+  for (size_t i = 0; i + 2 < wd.size(); ++i)
+    if (wd[i] != 1) return ffi::Error::InvalidArgument("gemv_f32: a batched weight");
+  const int64_t T = K ? x_any.element_count() / K : 0;
+  const float* X = x_any.typed_data<float>();
+  float* Y = out->typed_data<float>();
+  if (half)
+    gemv(pool, X, static_cast<const bf16*>(w_any.untyped_data()), T, N, K, Y);
+  else
+    gemv(pool, X, w_any.typed_data<float>(), T, N, K, Y);
   return ffi::Error::Success();
 }
 
@@ -379,6 +412,121 @@ ffi::Error ArgmaxF32(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::An
   return ffi::Error::Success();
 }
 
+
+// The dot of two rows with four accumulators (a fixed order: a query's score does not
+// depend on what else shares the call).
+inline float dot4(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+  for (; i + 32 <= n; i += 32) {
+    c0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), c0);
+    c1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), c1);
+    c2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), c2);
+    c3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), c3);
+  }
+  for (; i + 8 <= n; i += 8)
+    c0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), c0);
+  s = hsum(_mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)));
+#endif
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// o[…, t, h] = (Σ_k e_k·key_k) / (exp(sink_h − m) + Σ_k e_k), e_k = exp(s_k − m), s_k =
+// q·key_k / √D over the keys a query sees, m the largest of them and the sink (the twin:
+// `pallas_kernels.sink_attention_reference`, and `sparse_attention_reference` for picks).
+// The keys: raw [K1, D] where m1 [T, K1], own [K2, D] where m2 [T, K2], and comp's rows
+// pick [T, P] where ok [T, P]. Every operand may carry the same leading batch dims (vmap
+// broadcasts them all); the sink may also be one [H] for all.
+ffi::Error AttendF32(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer raw,
+                     ffi::AnyBuffer m1, ffi::AnyBuffer own, ffi::AnyBuffer m2,
+                     ffi::AnyBuffer comp, ffi::AnyBuffer pick, ffi::AnyBuffer ok,
+                     ffi::AnyBuffer sink, ffi::Result<ffi::AnyBuffer> out) {
+  auto qd = q.dimensions(), rd = raw.dimensions(), od = own.dimensions(),
+       cd = comp.dimensions(), pd = pick.dimensions();
+  if (qd.size() < 3 || rd.size() < 2 || od.size() < 2 || cd.size() < 2 || pd.size() < 2)
+    return ffi::Error::InvalidArgument("attend_f32: operand ranks");
+  for (auto* b : {&q, &raw, &own, &comp, &sink})
+    if (b->element_type() != ffi::F32) return ffi::Error::InvalidArgument("attend_f32: f32");
+  if (m1.element_type() != ffi::PRED || m2.element_type() != ffi::PRED ||
+      ok.element_type() != ffi::PRED || pick.element_type() != ffi::S32)
+    return ffi::Error::InvalidArgument("attend_f32: masks bool, picks int32");
+  const int64_t T = qd[qd.size() - 3], H = qd[qd.size() - 2], D = qd.back();
+  const int64_t K1 = rd[rd.size() - 2], K2 = od[od.size() - 2], C = cd[cd.size() - 2],
+                P = pd.back();
+  const int64_t B = T * H * D ? q.element_count() / (T * H * D) : 0;
+  if (rd.back() != D || od.back() != D || cd.back() != D ||
+      raw.element_count() != B * K1 * D || own.element_count() != B * K2 * D ||
+      comp.element_count() != B * C * D || m1.element_count() != B * T * K1 ||
+      m2.element_count() != B * T * K2 || pick.element_count() != B * T * P ||
+      ok.element_count() != B * T * P ||
+      (sink.element_count() != H && sink.element_count() != B * H) || H > 64)
+    return ffi::Error::InvalidArgument("attend_f32: shapes do not agree (or over 64 heads)");
+  const float* Q = q.typed_data<float>();
+  const float* R = raw.typed_data<float>();
+  const float* O = own.typed_data<float>();
+  const float* Cm = comp.typed_data<float>();
+  const bool* M1 = m1.typed_data<bool>();
+  const bool* M2 = m2.typed_data<bool>();
+  const int32_t* Pk = pick.typed_data<int32_t>();
+  const bool* Ok = ok.typed_data<bool>();
+  const float* S = sink.typed_data<float>();
+  const bool sink_rows = sink.element_count() != H;
+  float* Y = out->typed_data<float>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  // one item: a query token and a group of its heads, so each key is read from memory once
+  // for the group (a decode step of one row splits its heads over two threads)
+  const int64_t HG = B * T >= 2 ? H : (H + 1) / 2, groups = (H + HG - 1) / HG;
+  parallel_for(pool, B * T * groups, [&](int64_t item) {
+    const int64_t bt = item / groups, b = bt / T, t = bt % T;
+    const int64_t h0 = (item % groups) * HG, h1 = std::min(H, h0 + HG), nh = h1 - h0;
+    thread_local std::vector<const float*> keys;
+    thread_local std::vector<float> s;
+    keys.clear();
+    for (int64_t k = 0; k < K1; ++k)
+      if (M1[bt * K1 + k]) keys.push_back(R + (b * K1 + k) * D);
+    for (int64_t k = 0; k < K2; ++k)
+      if (M2[bt * K2 + k]) keys.push_back(O + (b * K2 + k) * D);
+    for (int64_t k = 0; k < P; ++k) {
+      const int64_t at = bt * P + k;
+      if (Ok[at] && Pk[at] >= 0 && Pk[at] < C) keys.push_back(Cm + (b * C + Pk[at]) * D);
+    }
+    const int64_t nk = keys.size();
+    s.resize(nh * nk);
+    const float* qv = Q + (bt * H + h0) * D;
+    for (int64_t k = 0; k < nk; ++k)  // scores [nh, nk]
+      for (int64_t h = 0; h < nh; ++h) s[h * nk + k] = dot4(qv + h * D, keys[k], D) * scale;
+    float denom[64];  // H ≤ 64 (checked above)
+    for (int64_t h = 0; h < nh; ++h) {
+      const float sk = S[sink_rows ? b * H + h0 + h : h0 + h];
+      float mh = sk;
+      for (int64_t k = 0; k < nk; ++k) mh = std::max(mh, s[h * nk + k]);
+      float dh = std::exp(sk - mh);
+      for (int64_t k = 0; k < nk; ++k) {
+        const float e = std::exp(s[h * nk + k] - mh);
+        s[h * nk + k] = e;
+        dh += e;
+      }
+      denom[h] = dh;
+    }
+    float* y = Y + (bt * H + h0) * D;
+    std::fill(y, y + nh * D, 0.0f);
+    for (int64_t k = 0; k < nk; ++k) {
+      const float* kv = keys[k];
+      for (int64_t h = 0; h < nh; ++h) {
+        const float e = s[h * nk + k];
+        float* yh = y + h * D;
+        for (int64_t d = 0; d < D; ++d) yh[d] += e * kv[d];
+      }
+    }
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t d = 0; d < D; ++d) y[h * D + d] /= denom[h];
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_gemv_f32, GemvF32,
@@ -418,5 +566,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_routed_fp4, RoutedFp4,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_argmax_f32, ArgmaxF32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_attend_f32, AttendF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());

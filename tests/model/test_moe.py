@@ -68,7 +68,7 @@ def test_indexer_shortcut_picks_what_the_top_k_picks(monkeypatch) -> None:
     pos = jnp.arange(48, dtype=jnp.int32)
     calls: list[int] = []
     real = layers._indexer_pick
-    monkeypatch.setattr(layers, "_indexer_pick", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(layers, "_indexer_pick", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def run(max_len: int) -> np.ndarray:
         st = init_state(cfg, max_len).layers[0]

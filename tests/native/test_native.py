@@ -124,6 +124,17 @@ def test_gemv_matches_xla(T, N, K):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_gemv_of_a_bf16_weight_is_that_of_its_f32_values():
+    """A weight held in bf16 (`--weights fp4-experts`, `--weights bf16`) is widened exactly:
+    the product of its f32 values, bit for bit."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((3, 517), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((70, 517), dtype=np.float32)).astype(jnp.bfloat16)
+    assert native.gemv_supported(x, w)
+    got = np.asarray(jax.jit(native.gemv)(x, w))
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(native.gemv)(x, w.astype(jnp.float32))))
+
+
 def test_what_the_kernels_do_not_take():
     x = jnp.zeros((2, 8), jnp.float32)
     assert not native.gemv_supported(x.astype(jnp.bfloat16), jnp.zeros((4, 8)))
@@ -133,27 +144,35 @@ def test_what_the_kernels_do_not_take():
     codes, exps = jnp.zeros((2, 4, 32), jnp.uint8), jnp.zeros((2, 4, 2), jnp.uint8)
     assert native.routed_supported(x, [(codes, exps)] * 3)
     assert not native.routed_supported(x, [(codes, exps[..., :1])] * 3)  # a partial block
+    q = jnp.zeros((1, 4, 8), jnp.float32)
+    assert not native.attend_supported(q, jnp.zeros((3, 8), jnp.bfloat16))  # bf16 keys
+    assert not native.attend_supported(jnp.zeros((native.GEMV_ROWS + 1, 4, 8)))  # a prefill
 
 
 def test_no_compiler_runs_the_twins(tmp_path):
-    """Where the library cannot be built, a warning says so and the model runs as before."""
+    """Where the library cannot be built, a warning says so and the callers of every kernel
+    (a decode step's linears, its routed experts, greedy selection) take their twins."""
     script = textwrap.dedent("""
-        import numpy as np
-        from ds4jax import native
+        import jax, jax.numpy as jnp, numpy as np
+        from ds4jax import native, sampling
         from ds4jax.config import load_config
-        from ds4jax.model.forward import prefill
+        from ds4jax.model import layers
         from ds4jax.model.params import init_params
-        from ds4jax.model.state import init_state
         assert not native.active()
         cfg = load_config("tiny")
-        state, _ = prefill(init_params(cfg, 0), init_state(cfg, 64), np.arange(2, 7), cfg)
-        print("ok", np.isfinite(np.asarray(state.logits)).all())
+        p = init_params(cfg, 0)["layers"][3]["ffn"]
+        x = jnp.ones((2, cfg.hidden_size), jnp.float32)
+        sel, w = jnp.array([[0, 1], [1, 2]]), jnp.full((2, 2), 0.5)
+        y = jax.jit(lambda x: layers.linear(x, p["gate"]))(x)
+        r = jax.jit(lambda x: layers._routed(cfg, p, x, sel, w, rows=True))(x)
+        print("ok", bool(jnp.isfinite(y).all() & jnp.isfinite(r).all()),
+              int(jax.jit(sampling.argmax)(jnp.arange(5.0)[None])[0]))
     """)
     env = dict(os.environ, CXX="false", DS4JAX_NATIVE_CACHE=str(tmp_path), JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env=env, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "ok True" in done.stdout
+    assert "ok True 4" in done.stdout
     assert "native CPU kernels unavailable" in done.stderr
 
 
@@ -193,8 +212,86 @@ def test_on_a_mesh_the_products_are_left_to_xla():
     """An FFI call has no partitioning rule (XLA would gather a sharded weight whole onto
     every device), so with a mesh set the linears and argmax take their twins."""
     x, w = jnp.ones((1, 64), jnp.float32), jnp.ones((32, 64), jnp.float32)
-    assert native.gemv_supported(x, w)
+    q, keys = jnp.ones((1, 4, 64), jnp.float32), jnp.ones((8, 64), jnp.float32)
+    assert native.gemv_supported(x, w) and native.attend_supported(q, keys)
     with jax.set_mesh(jax.make_mesh((1,), ("data",))):
         assert not native.gemv_supported(x, w)
+        assert not native.attend_supported(q, keys)
         hlo = jax.jit(lambda v: layers.linear(v, w)).lower(x).as_text()
     assert "ds4jax_gemv_f32" not in hlo
+
+
+def _attention_operands(T: int, seed: int = 3, H: int = 8, D: int = 128, R: int = 130,
+                        C: int = 300, P: int = 64) -> dict[str, jax.Array]:  # fmt: skip
+    rng = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32))  # noqa: E731
+    raw_ok = rng.random((T, R)) < 0.7
+    raw_ok[0] = False  # the first query sees no raw key …
+    pick_ok = rng.random((T, P)) < 0.8
+    pick_ok[0] = False  # … and no compressed row: the sink alone
+    return dict(q=f(T, H, D), raw=f(R, D), raw_ok=jnp.asarray(raw_ok), own=f(T, D),
+                own_ok=jnp.tril(jnp.ones((T, T), bool)).at[0].set(False), sink=f(H),
+                comp=f(C, D), pick=jnp.asarray(rng.choice(C, (T, P), replace=True), jnp.int32),
+                pick_ok=jnp.asarray(pick_ok))  # fmt: skip
+
+
+@pytest.mark.parametrize("T", [1, 3, native.GEMV_ROWS])
+@pytest.mark.parametrize("picks", [False, True], ids=["window", "picks"])
+def test_attend_matches_the_twins(T, picks):
+    """The ring, the step's own keys and (CSA/HCA) the picked compressed rows, read where
+    they are: the twins' result over the keys concatenated. A query that sees no key gets
+    the sink's share alone, zero output."""
+    from ds4jax.pallas_kernels.sink_attention import sink_attention_reference
+    from ds4jax.pallas_kernels.sparse_attention import sparse_attention_reference
+
+    a = _attention_operands(T)
+    keys = jnp.concatenate([a["raw"], a["own"]])
+    mask = jnp.concatenate([a["raw_ok"], a["own_ok"]], 1)
+    assert native.attend_supported(a["q"], a["raw"], a["own"], a["comp"])
+    if picks:
+        got = jax.jit(native.attend)(**a)
+        want = sparse_attention_reference(a["q"], keys, mask, a["comp"], a["pick"],
+                                          a["pick_ok"], a["sink"])  # fmt: skip
+    else:
+        operands = {k: a[k] for k in ("q", "raw", "raw_ok", "own", "own_ok", "sink")}
+        got = jax.jit(native.attend)(**operands)
+        want = sink_attention_reference(a["q"], keys, mask, a["sink"])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
+    assert not np.asarray(got[0]).any()
+
+
+def test_attend_under_vmap_is_one_call_and_a_row_alone_equals_it_in_the_batch():
+    """A batched step's per-row attention: every operand takes the row axis, one call
+    serves the rows, and each row's result is bit for bit the row attended alone."""
+    rows = [_attention_operands(1, seed=s) for s in range(4)]
+    batch = {k: jnp.stack([r[k] for r in rows]) for k in rows[0]}
+    f = jax.jit(jax.vmap(lambda a: native.attend(**a)))
+    got = np.asarray(f(batch))
+    assert f.lower(batch).as_text().count("ds4jax_attend_f32") == 1
+    for i in (0, 3):
+        alone = np.asarray(jax.jit(lambda a: native.attend(**a))(rows[i]))
+        assert np.array_equal(alone, got[i])
+
+
+def test_decode_steps_attend_natively_as_the_twins_do():
+    """Every layer kind of `tiny` (sliding, CSA past its indexer's top-k, HCA) decoding
+    through the native attention: the twins' logits, step after step."""
+    from ds4jax.model.forward import decode_step, prefill
+    from ds4jax.model.params import init_params
+    from ds4jax.model.state import init_state
+
+    cfg = load_config("tiny")
+    params = init_params(cfg, 0)
+    prompt = (np.arange(2, 150) * 7 % 1000).astype(np.int32)  # 37 CSA rows > top-16
+    state, _ = prefill(params, init_state(cfg, 192), prompt, cfg)
+    step = jax.jit(decode_step, static_argnames="cfg")
+    assert "ds4jax_attend_f32" in step.lower(params, state, 5, cfg=cfg).as_text()
+    with native.disabled():
+        twin = jax.jit(lambda p, s, t: decode_step(p, s, t, cfg))
+        theirs = state
+        for t in (5, 9, 11):
+            theirs = twin(params, theirs, t)
+    ours = state
+    for t in (5, 9, 11):
+        ours = step(params, ours, t, cfg=cfg)
+    np.testing.assert_allclose(np.asarray(ours.logits), np.asarray(theirs.logits), atol=1e-5)
