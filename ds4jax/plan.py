@@ -7,7 +7,9 @@ same sharding rules `shard_params` applies (`sharding.mesh_axes`), state sizes f
 `state.capacity_bytes`. Weights are counted as `--weights` stores them on device: `f32`,
 `bf16`, or `fp8` — the release's own formats kept resident (FP8 E4M3 linears with their
 128×128 E8M0 block scales, FP4 E2M1 routed experts with per-32 scales, the rest bf16), or
-`fp4-experts` — the FP4 experts kept so, the rest f32.
+`fp4-experts` — the FP4 experts kept so, the rest f32 values, its matrices held in bf16
+(the release's BF16 and E8M0-scaled FP8 values are all bf16 values:
+`model.quantized.hold_bf16_where_exact`).
 States are counted as the engine keeps them today: f32, replicated on every device — each
 session's live frontier and fork points under the default state budget (two states per
 session), the batch's `max_batch` rows, and the engine's empty template state. A
@@ -70,6 +72,8 @@ def weight_bytes_per_device(cfg: Config, expert: int, tensor: int, weights: str,
             total += 4 * math.prod(shard)
         elif weights == "fp8" or (weights == "fp4-experts" and kind == "fp4"):
             total += stored_bytes(kind, shard)
+        elif weights == "fp4-experts" and len(shard) == 2:
+            total += 2 * math.prod(shard)
         else:
             total += (2 if weights == "bf16" else 4) * math.prod(shard)
     return total

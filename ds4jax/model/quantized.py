@@ -167,3 +167,26 @@ def device_bytes(params: Any) -> dict[Any, int]:
         for shard in getattr(leaf, "addressable_shards", ()):
             out[shard.device] = out.get(shard.device, 0) + int(shard.data.nbytes)
     return out or {None: 0}
+
+
+def hold_bf16_where_exact(tree: Any) -> Any:
+    """`tree` with every f32 matrix whose values are all bfloat16 values held in bf16: the
+    same numbers in half the bytes (a release stores its head, embedding and most linears
+    in BF16, or in FP8 with power-of-two scales, which widen to f32 exactly). Every use
+    widens a weight to the activations' f32 first (`dequantize`, the native GEMV), so the
+    model computes what it computed from the f32 copy, bit for bit, reading half the bytes
+    per decode step (issue 27: `--weights fp4-experts`, like for like with llama.cpp's
+    as-converted GGUF, which keeps these tensors in BF16)."""
+
+    def hold(w: Any) -> Any:
+        if not (
+            isinstance(w, jax.Array)
+            and w.dtype == jnp.float32
+            and w.ndim == 2
+            and w.is_fully_addressable
+        ):  # (a multi-host array stays as it is)
+            return w
+        half = w.astype(jnp.bfloat16)
+        return half if bool(jnp.array_equal(half.astype(jnp.float32), w)) else w
+
+    return jax.tree.map(hold, tree)

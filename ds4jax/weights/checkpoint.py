@@ -313,9 +313,10 @@ def load_model(
     params go, as `restore_params` takes it (`model.sharding.Placement` for a `--mesh`).
     `weights` (`WEIGHTS`, overrides `dtype`): f32, bf16, fp8 — the release's FP8/FP4
     tensors kept as they are on device, the rest bf16 — or fp4-experts — the routed experts
-    kept in FP4, the rest f32. `mtp`: the model's multi-token-prediction block too
-    (`params["mtp"]`: from a checkpoint that has one, see `load_any`; random with a
-    config)."""
+    kept in FP4, the rest f32 values (the matrices whose values are all bf16 held in bf16,
+    `model.quantized.hold_bf16_where_exact`: the same numbers in half the bytes). `mtp`:
+    the model's multi-token-prediction block too (`params["mtp"]`: from a checkpoint that
+    has one, see `load_any`; random with a config)."""
     resident = RESIDENT.get(weights or "", frozenset())
     if weights is not None:
         if weights not in WEIGHTS:
@@ -324,6 +325,10 @@ def load_model(
     cfg, params, tokenizer_dir, what = _load(
         model, config, seed, dtype, shardings, resident, revision, download_dir, mtp
     )
+    if weights == "fp4-experts":
+        from ds4jax.model.quantized import hold_bf16_where_exact
+
+        params = hold_bf16_where_exact(params)
     if attention_impl is not None:
         cfg = cfg.replace(attention_impl=attention_impl)
     return cfg, params, load_tokenizer(tokenizer_dir), what

@@ -18,7 +18,8 @@ def add_weights(sp: argparse.ArgumentParser) -> None:
         "--weights", choices=["f32", "bf16", "fp8", "fp4-experts"], default="f32",
         help="f32 (default), bf16 (both dequantize a release at load), fp8: the official "
         "release's FP8 linears and FP4 experts stay so on device, expanded inside the step, "
-        "or fp4-experts: only the routed experts stay FP4 (two per byte), the rest f32",
+        "or fp4-experts: only the routed experts stay FP4 (two per byte), the rest f32 "
+        "values (held in bf16 where every value is a bf16 value)",
     )  # fmt: skip
 
 
