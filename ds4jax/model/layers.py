@@ -90,13 +90,20 @@ def ring_read(ring: jax.Array, positions: jax.Array, n: jax.Array, empty: float)
     return jnp.where(held, ring[jnp.mod(positions, ring.shape[0])], empty)
 
 
+def ring_slots(size: int, count: int, n: jax.Array, n_valid: jax.Array) -> jax.Array:
+    """The slots of a ring of `size` that `count` rows for positions n … take: position mod
+    size for the first `n_valid` (of a chunk longer than the ring only the last `size` of
+    them), `size` (out of the ring: not written) for the rest."""
+    j = jnp.arange(count)
+    write = (j < n_valid) & (j >= n_valid - size)
+    return jnp.where(write, jnp.mod(n + j, size), size)
+
+
 def ring_write(ring: jax.Array, rows: jax.Array, n: jax.Array, n_valid: jax.Array) -> jax.Array:
     """`ring` after positions n … n + n_valid − 1 (the first `n_valid` of `rows`) were written
-    to their slots; of a chunk longer than the ring only the last ring-size rows land."""
-    size = ring.shape[0]
-    j = jnp.arange(rows.shape[0])
-    write = (j < n_valid) & (j >= n_valid - size)
-    return ring.at[jnp.where(write, jnp.mod(n + j, size), size)].set(rows, mode="drop")
+    to their slots (`ring_slots`)."""
+    slots = ring_slots(ring.shape[0], rows.shape[0], n, n_valid)
+    return ring.at[slots].set(rows, mode="drop")
 
 
 def _pool(kv: jax.Array, score: jax.Array) -> jax.Array:
@@ -121,6 +128,7 @@ def compress(
     lanes: int,
     dim: int,
     finish: Any,
+    emit: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Feed a chunk into a compressor; emit its completed windows into `rows`.
 
@@ -133,39 +141,63 @@ def compress(
     laid out in one buffer whose row i is position start + i, start = ratio·⌊n/ratio⌋ −
     (lanes−1)·ratio, so windows are buffer-aligned. With two lanes (CSA, overlapping
     windows) the row of window k pools lane 0 of window k−1 with lane 1 of window k.
+
+    A chunk of at most REWIND + 1 tokens (a decode step, a speculative verification) is
+    written to the rings first and the buffer read back from them, so the old rings feed
+    only their in-place update (read and written both, XLA copied each ring per layer and
+    step). `emit` (a scalar bool, not batched: `row_attention`'s "some row completes a
+    window of this ratio"): pool only when true — a decode step of a ratio-128 compressor
+    completes a window once in 128 steps, and its pooling was most of its cost.
     """
     T = kv_new.shape[0]
     r, c = ratio, lanes
-    n_win = c + -(-T // r)
+    n_win = c + (T + r - 2) // r  # the window of position n + T − 1 is the last one
     start = r * (n // r) - (c - 1) * r
-    fpos = start + jnp.arange(c * r)
-    buf_kv = jnp.zeros((n_win * r, c * dim), kv_new.dtype)
-    buf_kv = buf_kv.at[: c * r].set(ring_read(st_kv, fpos, n, 0.0))
-    buf_sc = jnp.full((n_win * r, c * dim), NEG_INF, kv_new.dtype)
-    buf_sc = buf_sc.at[: c * r].set(ring_read(st_score, fpos, n, NEG_INF))
-    buf_kv = jax.lax.dynamic_update_slice(buf_kv, kv_new, (n - start, 0))
-    buf_sc = jax.lax.dynamic_update_slice(buf_sc, score_new, (n - start, 0))
+    size = st_kv.shape[0]
+    new_kv = ring_write(st_kv, kv_new, n, n_valid)
+    new_sc = ring_write(st_score, score_new, n, n_valid)
+    from_rings = T <= size - c * r + 1  # = REWIND + 1
 
-    win_kv = buf_kv.reshape(n_win, r, c * dim)
-    win_sc = buf_sc.reshape(n_win, r, c * dim)
-    if c == 1:
-        cand_kv, cand_sc = win_kv, win_sc
-    else:
-        prev_kv = jnp.concatenate([jnp.zeros_like(win_kv[:1, :, :dim]), win_kv[:-1, :, :dim]])
-        prev_sc = jnp.concatenate(
-            [jnp.full_like(win_sc[:1, :, :dim], NEG_INF), win_sc[:-1, :, :dim]]
-        )
-        cand_kv = jnp.concatenate([prev_kv, win_kv[:, :, dim:]], axis=1)
-        cand_sc = jnp.concatenate([prev_sc, win_sc[:, :, dim:]], axis=1)
-    pooled = _pool(cand_kv[c - 1 :], cand_sc[c - 1 :])  # windows not yet emitted
+    def pooled_rows() -> jax.Array:
+        if from_rings:  # every position the windows take is still in the rings
+            held_to = n + n_valid
+            pos = start + jnp.arange(n_win * r)
+            buf_kv = ring_read(new_kv, pos, held_to, 0.0)
+            buf_sc = ring_read(new_sc, pos, held_to, NEG_INF)
+        else:
+            fpos = start + jnp.arange(c * r)
+            buf_kv = jnp.zeros((n_win * r, c * dim), kv_new.dtype)
+            buf_kv = buf_kv.at[: c * r].set(ring_read(st_kv, fpos, n, 0.0))
+            buf_sc = jnp.full((n_win * r, c * dim), NEG_INF, kv_new.dtype)
+            buf_sc = buf_sc.at[: c * r].set(ring_read(st_score, fpos, n, NEG_INF))
+            buf_kv = jax.lax.dynamic_update_slice(buf_kv, kv_new, (n - start, 0))
+            buf_sc = jax.lax.dynamic_update_slice(buf_sc, score_new, (n - start, 0))
+        win_kv = buf_kv.reshape(n_win, r, c * dim)
+        win_sc = buf_sc.reshape(n_win, r, c * dim)
+        if c == 1:
+            cand_kv, cand_sc = win_kv, win_sc
+        else:
+            prev_kv = jnp.concatenate([jnp.zeros_like(win_kv[:1, :, :dim]),
+                                       win_kv[:-1, :, :dim]])  # fmt: skip
+            prev_sc = jnp.concatenate(
+                [jnp.full_like(win_sc[:1, :, :dim], NEG_INF), win_sc[:-1, :, :dim]]
+            )
+            cand_kv = jnp.concatenate([prev_kv, win_kv[:, :, dim:]], axis=1)
+            cand_sc = jnp.concatenate([prev_sc, win_sc[:, :, dim:]], axis=1)
+        pooled = _pool(cand_kv[c - 1 :], cand_sc[c - 1 :])  # windows not yet emitted
+        return finish(pooled, (n // r + jnp.arange(pooled.shape[0])) * r)
+
     first = n // r
-    j = jnp.arange(pooled.shape[0])
-    new_rows = finish(pooled, (first + j) * r)
+    j = jnp.arange(n_win - c + 1)
+    if emit is None:
+        new_rows = pooled_rows()
+    else:
+        none = jnp.zeros((j.shape[0], rows.shape[-1]), kv_new.dtype)
+        new_rows = jax.lax.cond(emit, pooled_rows, lambda: none)
     complete = (first + j + 1) * r <= n + n_valid
     cap = rows.shape[0]
     rows = rows.at[jnp.where(complete, first + j, cap)].set(new_rows, mode="drop")
-    st_kv = ring_write(st_kv, kv_new, n, n_valid)
-    return rows, st_kv, ring_write(st_score, score_new, n, n_valid)
+    return rows, new_kv, new_sc
 
 
 # ---------------------------------------------------------------- attention §2.5
@@ -238,7 +270,10 @@ def attention(
     positions: jax.Array,
     n: jax.Array,
     n_valid: jax.Array,
+    emits: Any = None,
 ) -> tuple[jax.Array, LayerState]:
+    """`emits(ratio)`: whether a compressor of that ratio may complete a window in this
+    step, a scalar not batched over rows (`compress`'s `emit`; None: pool every step)."""
     T = x.shape[0]
     H, hd, W, R = cfg.num_heads, cfg.head_dim, cfg.sliding_window, ls.raw.shape[0]
     kind = cfg.layer_kind(layer)
@@ -272,21 +307,25 @@ def attention(
         q, ls.raw, kv, *([] if ls.comp is None else [ls.comp])
     )
 
-    def attend_direct(**comp: jax.Array) -> jax.Array:
-        return native.attend(q, ls.raw, ring_mask, kv, own_mask, sink, **comp)
+    # the direct kernel also writes the step's keys into the ring, in place
+    new = LayerState(ls.raw if direct else ring_write(ls.raw, kv, n, n_valid))
 
-    new = LayerState(ring_write(ls.raw, kv, n, n_valid))
+    def attend_direct(**comp: jax.Array) -> jax.Array:
+        o, new.raw = native.attend(q, ls.raw, ring_mask, kv, own_mask, sink,
+                                   slot=ring_slots(R, T, n, n_valid), **comp)  # fmt: skip
+        return o
 
     if kind == "sliding":
         o = attend_direct() if direct else attend(q, keys, raw_mask, sink)
     else:
         r, c = cfg.compress_ratios[layer], (2 if kind == "csa" else 1)
         cp = p["compressor"]
+        emit = None if emits is None else emits(r)
         ckv = linear(x, cp["wkv"])
         csc = linear(x, cp["wgate"]) + cp["ape"][jnp.mod(positions, r)]
         comp, st_kv, st_sc = compress(
             ckv, csc, ls.comp_kv, ls.comp_score, ls.comp, n, n_valid,
-            ratio=r, lanes=c, dim=hd,
+            ratio=r, lanes=c, dim=hd, emit=emit,
             finish=_finish_rows(cfg, cp["norm"], freqs, lambda v: _kv_fp8(cfg, v),
                                 lambda v: _stored(cfg, v)),
         )  # fmt: skip
@@ -307,7 +346,7 @@ def attention(
                 linear(x, icp["wkv"]),
                 linear(x, icp["wgate"]) + icp["ape"][jnp.mod(positions, r)],
                 ls.idx_kv, ls.idx_score, ls.idx, n, n_valid,
-                ratio=r, lanes=2, dim=ihd,
+                ratio=r, lanes=2, dim=ihd, emit=emit,
                 finish=_finish_rows(cfg, icp["norm"], freqs, quant_sim.idxq,
                                     lambda v: _stored(cfg, v, index=True)),
             )  # fmt: skip

@@ -55,6 +55,7 @@ TARGETS = (
     "ds4jax_gemv_f32",
     "ds4jax_argmax_f32",
     "ds4jax_attend_f32",
+    "ds4jax_attend_write_f32",
 )
 
 _enabled = os.environ.get("DS4JAX_NATIVE", "1") != "0"
@@ -231,18 +232,28 @@ def attend_supported(q: jax.Array, *keys: jax.Array) -> bool:
 
 def attend(q: jax.Array, raw: jax.Array, raw_ok: jax.Array, own: jax.Array, own_ok: jax.Array,
            sink: jax.Array, comp: jax.Array | None = None, pick: jax.Array | None = None,
-           pick_ok: jax.Array | None = None) -> jax.Array:  # fmt: skip
+           pick_ok: jax.Array | None = None, slot: jax.Array | None = None) -> Any:  # fmt: skip
     """Sink attention of q [T, H, D] over the keys (= values) each query sees: the raw
     window's ring raw [R, D] where raw_ok [T, R], the step's own keys own [T', D] where
     own_ok [T, T'], and the compressed rows comp [C, D] named by pick [T, P] where
     pick_ok [T, P] — the twins' result over the concatenated keys, without concatenating
     them (XLA copied a CSA layer's 2,192 keys twice per step at an 8k context, once
-    transposed). Under `vmap` every operand takes the row axis (`broadcast_all`)."""
+    transposed). Under `vmap` every operand takes the row axis (`broadcast_all`).
+
+    `slot` [T'] (int32): also return the ring with each own key written to its slot (one
+    outside [0, R): not written) — `layers.ring_write`'s result, `(out, ring)`, the ring
+    updated in place after every query read it (aliased: where the ring was both read here
+    and written by a scatter, XLA copied it twice per layer and step)."""
     T, _, D = q.shape
     if comp is None:
         comp = jnp.zeros((0, D), jnp.float32)
         pick, pick_ok = jnp.zeros((T, 0), jnp.int32), jnp.zeros((T, 0), bool)
+    operands = [q, raw, raw_ok.astype(bool), own, own_ok.astype(bool), comp,
+                pick.astype(jnp.int32), pick_ok.astype(bool), sink.astype(jnp.float32)]  # fmt: skip
     out = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    call = _ffi("ds4jax_attend_f32", out, vmap_method="broadcast_all")
-    return call(q, raw, raw_ok.astype(bool), own, own_ok.astype(bool), comp,
-                pick.astype(jnp.int32), pick_ok.astype(bool), sink.astype(jnp.float32))  # fmt: skip
+    if slot is None:
+        return _ffi("ds4jax_attend_f32", out, vmap_method="broadcast_all")(*operands)
+    ring = jax.ShapeDtypeStruct(raw.shape, raw.dtype)
+    call = _ffi("ds4jax_attend_write_f32", (out, ring), vmap_method="broadcast_all",
+                input_output_aliases={1: 1})  # fmt: skip
+    return call(*operands, slot.astype(jnp.int32))

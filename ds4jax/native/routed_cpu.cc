@@ -440,10 +440,10 @@ inline float dot4(const float* a, const float* b, int64_t n) {
 // The keys: raw [K1, D] where m1 [T, K1], own [K2, D] where m2 [T, K2], and comp's rows
 // pick [T, P] where ok [T, P]. Every operand may carry the same leading batch dims (vmap
 // broadcasts them all); the sink may also be one [H] for all.
-ffi::Error AttendF32(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer raw,
-                     ffi::AnyBuffer m1, ffi::AnyBuffer own, ffi::AnyBuffer m2,
-                     ffi::AnyBuffer comp, ffi::AnyBuffer pick, ffi::AnyBuffer ok,
-                     ffi::AnyBuffer sink, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error Attend(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer raw, ffi::AnyBuffer m1,
+                  ffi::AnyBuffer own, ffi::AnyBuffer m2, ffi::AnyBuffer comp, ffi::AnyBuffer pick,
+                  ffi::AnyBuffer ok, ffi::AnyBuffer sink, ffi::AnyBuffer* slot, float* Y,
+                  float* raw_out) {
   auto qd = q.dimensions(), rd = raw.dimensions(), od = own.dimensions(),
        cd = comp.dimensions(), pd = pick.dimensions();
   if (qd.size() < 3 || rd.size() < 2 || od.size() < 2 || cd.size() < 2 || pd.size() < 2)
@@ -474,7 +474,8 @@ ffi::Error AttendF32(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer raw,
   const bool* Ok = ok.typed_data<bool>();
   const float* S = sink.typed_data<float>();
   const bool sink_rows = sink.element_count() != H;
-  float* Y = out->typed_data<float>();
+  if (slot && (slot->element_type() != ffi::S32 || slot->element_count() != B * K2))
+    return ffi::Error::InvalidArgument("attend_f32: a slot (int32) for each own key");
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   // one item: a query token and a group of its heads, so each key is read from memory once
   // for the group (a decode step of one row splits its heads over two threads)
@@ -524,7 +525,41 @@ ffi::Error AttendF32(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer raw,
     for (int64_t h = 0; h < nh; ++h)
       for (int64_t d = 0; d < D; ++d) y[h * D + d] /= denom[h];
   });
+  if (!slot) return ffi::Error::Success();
+  // the ring after the step: every query has read it, so its own keys go in now, in place
+  // where XLA aliased the result to the operand (a copy first where it did not)
+  if (raw_out != R) std::memcpy(raw_out, R, sizeof(float) * B * K1 * D);
+  const int32_t* Sl = slot->typed_data<int32_t>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < K2; ++j) {
+      const int32_t at = Sl[b * K2 + j];
+      if (at >= 0 && at < K1)
+        std::memcpy(raw_out + (b * K1 + at) * D, O + (b * K2 + j) * D, sizeof(float) * D);
+    }
   return ffi::Error::Success();
+}
+
+ffi::Error AttendF32(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer raw,
+                     ffi::AnyBuffer m1, ffi::AnyBuffer own, ffi::AnyBuffer m2,
+                     ffi::AnyBuffer comp, ffi::AnyBuffer pick, ffi::AnyBuffer ok,
+                     ffi::AnyBuffer sink, ffi::Result<ffi::AnyBuffer> out) {
+  return Attend(pool, q, raw, m1, own, m2, comp, pick, ok, sink, nullptr,
+                out->typed_data<float>(), nullptr);
+}
+
+// The same, and the raw ring returned with the step's own keys written to their slots
+// (`slot` [..., T'], one per own key; outside the ring: not written) — `layers.ring_write`
+// done in place, so XLA needs no copy of a ring that the attention reads and the step
+// updates (two copies of each ring per layer and step at B=8 before).
+ffi::Error AttendWriteF32(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer raw,
+                          ffi::AnyBuffer m1, ffi::AnyBuffer own, ffi::AnyBuffer m2,
+                          ffi::AnyBuffer comp, ffi::AnyBuffer pick, ffi::AnyBuffer ok,
+                          ffi::AnyBuffer sink, ffi::AnyBuffer slot,
+                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> ring) {
+  if (ring->element_type() != ffi::F32 || ring->element_count() != raw.element_count())
+    return ffi::Error::InvalidArgument("attend_f32: the ring's result is the ring's shape");
+  return Attend(pool, q, raw, m1, own, m2, comp, pick, ok, sink, &slot,
+                out->typed_data<float>(), ring->typed_data<float>());
 }
 
 }  // namespace
@@ -581,4 +616,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_attend_f32, AttendF32,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_attend_write_f32, AttendWriteF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());

@@ -273,6 +273,56 @@ def test_attend_under_vmap_is_one_call_and_a_row_alone_equals_it_in_the_batch():
         assert np.array_equal(alone, got[i])
 
 
+@pytest.mark.parametrize("n_valid", [3, 1, 0])
+def test_attend_writes_the_ring_as_ring_write_does(n_valid):
+    """With `slot`, the call also returns the ring with the step's own keys in their slots
+    (`layers.ring_write`'s ring, bit for bit: a copy), the attention over the ring as it was
+    before (the same result as without `slot`); per row under `vmap`, rows at different
+    positions."""
+    from ds4jax.model.layers import ring_slots, ring_write
+
+    a = _attention_operands(3, R=7)
+    n = jnp.int32(12)
+    got, ring = jax.jit(lambda a: native.attend(**a, slot=ring_slots(7, 3, n, n_valid)))(a)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(native.attend)(**a)))
+    np.testing.assert_array_equal(np.asarray(ring), np.asarray(ring_write(a["raw"], a["own"], n,
+                                                                          n_valid)))  # fmt: skip
+    rows = [_attention_operands(3, seed=s, R=7) for s in range(3)]
+    batch = {k: jnp.stack([r[k] for r in rows]) for k in rows[0]}
+    ns = jnp.array([0, 5, 13], jnp.int32)
+
+    def one(a, n):
+        return native.attend(**a, slot=ring_slots(7, 3, n, n_valid))
+
+    _, rings = jax.jit(jax.vmap(one))(batch, ns)
+    for i in range(3):
+        want = ring_write(rows[i]["raw"], rows[i]["own"], ns[i], n_valid)
+        np.testing.assert_array_equal(np.asarray(rings[i]), np.asarray(want))
+
+
+def test_a_batched_step_copies_no_window_ring():
+    """The rows' window rings are read by the attention and written by the step: with the
+    kernel writing them in place, the compiled step at B=4 copies none of them (XLA copied
+    each twice per layer and step, ~0.2 ms apiece at B=8 on bench-192m)."""
+    import re
+
+    from bench.ops import step_args, step_program
+    from ds4jax.model.params import init_params
+    from ds4jax.model.state import init_state
+
+    cfg = load_config("tiny")
+    params = jax.eval_shape(lambda: init_params(cfg, 0))
+    state = jax.eval_shape(lambda: init_state(cfg, 256))
+    rows = jax.tree.map(lambda x: jax.ShapeDtypeStruct((4, *x.shape), x.dtype), state)
+    hlo = step_program(True).lower(params, rows, *step_args(4), cfg=cfg, size=4)
+    text = hlo.compile().as_text()
+    assert text.count("ds4jax_attend_write_f32") == cfg.num_layers
+    ring = f"f32[4,{state.layers[0].raw.shape[0]},{cfg.head_dim}]"
+    copies = [ln for ln in text.splitlines() if re.search(r"= f32\[[\d,]+\]\{[\d,]+\} copy\(", ln)]
+    assert copies, "no copy at all: the pattern no longer matches XLA's text"
+    assert not [ln for ln in copies if ring in ln], [ln for ln in copies if ring in ln][:2]
+
+
 def test_decode_steps_attend_natively_as_the_twins_do():
     """Every layer kind of `tiny` (sliding, CSA past its indexer's top-k, HCA) decoding
     through the native attention: the twins' logits, step after step."""
@@ -285,7 +335,7 @@ def test_decode_steps_attend_natively_as_the_twins_do():
     prompt = (np.arange(2, 150) * 7 % 1000).astype(np.int32)  # 37 CSA rows > top-16
     state, _ = prefill(params, init_state(cfg, 192), prompt, cfg)
     step = jax.jit(decode_step, static_argnames="cfg")
-    assert "ds4jax_attend_f32" in step.lower(params, state, 5, cfg=cfg).as_text()
+    assert "ds4jax_attend_write_f32" in step.lower(params, state, 5, cfg=cfg).as_text()
     with native.disabled():
         twin = jax.jit(lambda p, s, t: decode_step(p, s, t, cfg))
         theirs = state
