@@ -331,6 +331,7 @@ class Admission:
         if not holds(self.cfg, state, self._batch_span):  # the batch takes the longer span
             self._resize_batch(max(self._batch_span, self._span(len(tokens))))
             state = self._fit(state, self._batch_span - 1)
+        self._fit_rows(max(row + 1, self._active_end()))
         self._batch = batch_ops.insert(self._batch, np.int32(row), state)
         self._rows[row] = ticket
         if self.spec is not None:

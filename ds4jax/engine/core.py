@@ -248,11 +248,35 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
             )
         self._batch_span = span
 
+    @property
+    def _rows_follow_steps(self) -> bool:
+        """The batch holds the rows a step runs, not `max_batch` (`_fit_rows`): dense rows
+        on one data shard. Paged rows hold small parts only (nothing big to copy); data
+        shards always step the whole batch."""
+        return self.pages is None and self.shards == 1
+
+    def _fit_rows(self, need: int) -> None:
+        """The batch at `bucket(need)` rows (every active row below `need`): a step of four
+        rows on a batch of eight copied their whole states out of it and back (~20 against
+        ~16 ms on bench-192m, `model.batch.with_rows`); the batch grows and shrinks at
+        admissions and steps instead, rarely."""
+        if not self._rows_follow_steps:
+            return
+        rows = batch_ops.bucket(max(need, 1))
+        if jax.tree.leaves(self._batch)[0].shape[0] != rows:
+            out = batch_ops.with_rows(self._batch, cfg=self.cfg, span=self._batch_span, rows=rows)
+            self._batch = place_batch(self.mesh, rows, out)
+
+    def _active_end(self) -> int:
+        """One past the last active row (0: none)."""
+        return max((i + 1 for i, t in enumerate(self._rows) if t is not None), default=0)
+
     def _new_batch(self) -> Any:
+        rows = 1 if self._rows_follow_steps else self.max_batch
         empty = batch_ops.empty_batch(
-            self.cfg, self._batch_span, self.max_batch, small=self.pages is not None
+            self.cfg, self._batch_span, rows, small=self.pages is not None
         )
-        return place_batch(self.mesh, self.max_batch, empty)
+        return place_batch(self.mesh, rows, empty)
 
     def warm_up(self, logprobs: bool = False) -> None:
         """Compile every prefill chunk size and the batched step at every size up to
@@ -270,7 +294,6 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
         with self._lock:
             scratch = self._new_batch()
             empty = self._empty if self.pages is None else small_part(self._empty)
-            scratch = batch_ops.insert(scratch, np.int32(0), empty)
             # with the prefill bound, also each size's step with the smallest chunk riding in
             # it, the first that a prompt arriving while rows decode takes
             small = min(self.chunk_sizes)
@@ -280,6 +303,12 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
             for size in sizes:
                 if size > self.max_batch:
                     break
+                if self._rows_follow_steps:  # a batch of each size, grown from the last
+                    scratch = batch_ops.with_rows(scratch, cfg=self.cfg, span=self._batch_span,
+                                                  rows=size)  # fmt: skip
+                    scratch = place_batch(self.mesh, size, scratch)
+                scratch = batch_ops.insert(scratch, np.int32(0), empty)
+                jax.block_until_ready(batch_ops.extract(scratch, np.int32(0)))
                 grid = np.zeros((size, pages_for(self._batch_span)), np.int32)
                 variants = [(c, lp) for c in chunks[: 2 if self.stall_bound else 1]
                             for lp in ((False, True) if logprobs else (False,))]  # fmt: skip
@@ -291,7 +320,11 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
                             np.zeros(size, np.int32), np.ones(size, np.float32),
                             np.zeros(size, np.float32), chunk=chunk, logprobs=lp,
                         )  # fmt: skip
-            jax.block_until_ready(batch_ops.extract(scratch, np.int32(0)))
+            if self._rows_follow_steps:  # and the batch shrinking size by size
+                for size in (s for s in reversed(batch_ops.BATCH_SIZES) if s < self.max_batch):
+                    scratch = batch_ops.with_rows(scratch, cfg=self.cfg, span=self._batch_span,
+                                                  rows=size)  # fmt: skip
+                jax.block_until_ready(scratch)
         if self.pages is not None:  # the page programs: write, copy (a shared tail), read
             a = self.pages.keep(self._empty, 1)
             self.pages.keep(self._empty, 2, a)

@@ -51,6 +51,7 @@ class Speculating:
         if not plans:
             return 0, 0
         self._grow_batch(list(plans), 2)
+        self._fit_rows(size)
         grid = None
         if self.pages is not None:
             grid = self._grid(size, list(plans), 2)

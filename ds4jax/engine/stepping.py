@@ -171,6 +171,7 @@ class Stepping:
         if not stepping:
             return 0, 0
         self._grow_batch(stepping, 1)
+        self._fit_rows(size)
         grid = None
         if self.pages is not None:
             grid = self._grid(size, stepping)

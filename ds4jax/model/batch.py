@@ -68,6 +68,22 @@ def empty_batch(cfg: Config, max_len: int, rows: int, small: bool = False) -> De
     return jax.device_put(batch, jax.local_devices()[0])
 
 
+@partial(jax.jit, static_argnames=("cfg", "span", "rows"))
+def with_rows(batch: DecodeState, *, cfg: Config, span: int, rows: int) -> DecodeState:
+    """`batch` with `rows` rows: its first ones, or all of them and empty states (of `span`
+    positions, as `empty_batch` makes them) after. A step of `size` rows on a batch of more
+    copies those rows' whole states out of it and back (`step`'s slice and `put_rows`): the
+    engine keeps its batch at the rows it steps instead."""
+    have = jax.tree.leaves(batch)[0].shape[0]
+    if rows <= have:
+        return jax.tree.map(lambda x: x[:rows], batch)
+
+    def grown(b: jax.Array, o: jax.Array) -> jax.Array:
+        return jnp.concatenate([b, jnp.broadcast_to(o, (rows - have, *o.shape)).astype(b.dtype)])
+
+    return jax.tree.map(grown, batch, init_state(cfg, span))
+
+
 @partial(jax.jit, donate_argnums=0)
 def insert(batch: DecodeState, row: jax.Array, state: DecodeState) -> DecodeState:
     return jax.tree.map(

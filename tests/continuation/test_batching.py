@@ -77,6 +77,31 @@ def test_requests_decode_together_and_equal_their_solo_runs(batch_engine) -> Non
         assert np.abs(cold - np.asarray(live.state.logits)).max() <= 1e-5
 
 
+def batch_rows(engine: Engine) -> int:
+    import jax
+
+    return jax.tree.leaves(engine._batch)[0].shape[0]
+
+
+def test_the_batch_holds_the_rows_its_steps_run(batch_engine) -> None:
+    """The dense batch grows to the bucket of the rows admitted and shrinks to the rows
+    still decoding (a step of fewer rows than the batch holds copied their states out and
+    back); the long request's reply is its solo reply through both."""
+    engine = fresh(batch_engine)
+    solo = engine.run(prepared(engine, "Name three rivers.", 12))
+    fresh(engine)
+    seen = []
+    long = engine.submit(prepared(engine, "Name three rivers.", 12))
+    shorts = [engine.submit(prepared(engine, t, 2)) for t in ("Count to five.", "Hi.")]
+    while engine.busy:
+        engine.tick()
+        seen.append((active_rows(engine), batch_rows(engine)))
+    assert (3, 4) in seen and (1, 1) in seen, seen  # grew to 4 rows, shrank back to 1
+    assert all(rows >= active for active, rows in seen)
+    assert long.error is None and long.result.raw_text == solo.raw_text
+    assert all(t.error is None for t in shorts)
+
+
 def test_a_long_prefill_delays_the_others_by_one_chunk_per_step(batch_engine) -> None:
     engine = fresh(batch_engine)
     short = engine.submit(prepared(engine, "Tell a story.", 40))
