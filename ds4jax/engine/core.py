@@ -263,9 +263,12 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
         if not self._rows_follow_steps:
             return
         rows = batch_ops.bucket(max(need, 1))
-        if jax.tree.leaves(self._batch)[0].shape[0] != rows:
-            out = batch_ops.with_rows(self._batch, cfg=self.cfg, span=self._batch_span, rows=rows)
-            self._batch = place_batch(self.mesh, rows, out)
+        have = jax.tree.leaves(self._batch)[0].shape[0]
+        while have != rows:  # a size at a time: the transitions `warm_up` compiled
+            sizes = batch_ops.BATCH_SIZES
+            have = sizes[sizes.index(have) + (1 if have < rows else -1)]
+            out = batch_ops.with_rows(self._batch, cfg=self.cfg, span=self._batch_span, rows=have)
+            self._batch = place_batch(self.mesh, have, out)
 
     def _active_end(self) -> int:
         """One past the last active row (0: none)."""
