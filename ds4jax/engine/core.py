@@ -297,6 +297,9 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
         with self._lock:
             scratch = self._new_batch()
             empty = self._empty if self.pages is None else small_part(self._empty)
+            if not self._rows_follow_steps:  # one batch shape: insert / extract once
+                scratch = batch_ops.insert(scratch, np.int32(0), empty)
+                jax.block_until_ready(batch_ops.extract(scratch, np.int32(0)))
             # with the prefill bound, also each size's step with the smallest chunk riding in
             # it, the first that a prompt arriving while rows decode takes
             small = min(self.chunk_sizes)
@@ -310,8 +313,8 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
                     scratch = batch_ops.with_rows(scratch, cfg=self.cfg, span=self._batch_span,
                                                   rows=size)  # fmt: skip
                     scratch = place_batch(self.mesh, size, scratch)
-                scratch = batch_ops.insert(scratch, np.int32(0), empty)
-                jax.block_until_ready(batch_ops.extract(scratch, np.int32(0)))
+                    scratch = batch_ops.insert(scratch, np.int32(0), empty)
+                    jax.block_until_ready(batch_ops.extract(scratch, np.int32(0)))
                 grid = np.zeros((size, pages_for(self._batch_span)), np.int32)
                 variants = [(c, lp) for c in chunks[: 2 if self.stall_bound else 1]
                             for lp in ((False, True) if logprobs else (False,))]  # fmt: skip
