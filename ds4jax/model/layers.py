@@ -252,13 +252,16 @@ def _indexer_pick(cfg: Config, ip: Params, x, qr, idx, visible, positions, freqs
     if cfg.quant_sim:
         iq = quant_sim.idxq(iq)
     w = linear(x, ip["weights_proj"]) * (cfg.index_heads**-0.5)
-    isc = pallas_kernels.select(cfg.attention_impl, "indexer_scores")(iq, w, idx, visible)
     k = min(cfg.index_topk, idx.shape[0])
-    top_v, top_i = jax.lax.top_k(isc, k)
+    if native.active() and native.index_top_supported(iq, idx):
+        top_v, top_i = native.index_top(iq, w, idx, visible, k)
+    else:
+        isc = pallas_kernels.select(cfg.attention_impl, "indexer_scores")(iq, w, idx, visible)
+        top_v, top_i = jax.lax.top_k(isc, k)
     chosen = jnp.isfinite(top_v)
     if gather or _gather_selected(cfg, idx.shape[0], k):
         return top_i, chosen
-    return jnp.zeros(isc.shape, bool).at[jnp.arange(T)[:, None], top_i].set(chosen)
+    return jnp.zeros((T, idx.shape[0]), bool).at[jnp.arange(T)[:, None], top_i].set(chosen)
 
 
 def attention(

@@ -7,11 +7,12 @@ step's kernels, each reading a weight in place once for all the tokens of the ca
 work spread over XLA's own intra-op thread pool: `routed` (the routed experts, f32 or FP4;
 twin: `model.layers._routed`), `gemv` (every f32 or bf16 linear of up to `GEMV_ROWS`
 tokens, the head included; twin: XLA's dot in `model.quantized.matmul`), `argmax` (greedy selection;
-twin: `sampling.argmax`'s reductions) and `attend` (a decode step's attention over a layer's
+twin: `sampling.argmax`'s reductions), `attend` (a decode step's attention over a layer's
 key sources in place; twins: `pallas_kernels.sink_attention_reference` and
-`sparse_attention_reference`). The callers take a kernel when `active()` and its
-`*_supported` say so, else the twin; `disabled()` forces the twins, and `tests/native`
-compares each pair.
+`sparse_attention_reference`) and `index_top` (the CSA indexer's scores and top-k picks;
+twins: `pallas_kernels.indexer_scores_reference` and `jax.lax.top_k`). The callers take a
+kernel when `active()` and its `*_supported` say so, else the twin; `disabled()` forces the
+twins, and `tests/native` compares each pair.
 
 The library is compiled with the machine's C++ compiler (`$CXX`, else `c++`, `-O3
 -march=native`) into `~/.cache/ds4jax/native/` (`DS4JAX_NATIVE_CACHE`), under a name that
@@ -56,6 +57,7 @@ TARGETS = (
     "ds4jax_argmax_f32",
     "ds4jax_attend_f32",
     "ds4jax_attend_write_f32",
+    "ds4jax_index_top_f32",
 )
 
 _enabled = os.environ.get("DS4JAX_NATIVE", "1") != "0"
@@ -257,3 +259,24 @@ def attend(q: jax.Array, raw: jax.Array, raw_ok: jax.Array, own: jax.Array, own_
     call = _ffi("ds4jax_attend_write_f32", (out, ring), vmap_method="broadcast_all",
                 input_output_aliases={1: 1})  # fmt: skip
     return call(*operands, slot.astype(jnp.int32))
+
+
+def index_top_supported(q: jax.Array, rows: jax.Array) -> bool:
+    """Whether `index_top` takes these operands: f32 queries [T, IH, d] of at most
+    `GEMV_ROWS` tokens and f32 rows, no mesh set."""
+    return (unpartitioned() and q.ndim == 3 and q.shape[0] <= GEMV_ROWS
+            and q.dtype == jnp.float32 and rows.dtype == jnp.float32)  # fmt: skip
+
+
+def index_top(q: jax.Array, w: jax.Array, rows: jax.Array, visible: jax.Array,
+              k: int) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """`jax.lax.top_k(indexer_scores_reference(q, w, rows, visible), k)` for q [T, IH, d],
+    w [T, IH], rows [C, d], visible [T, C]: (values [T, k], indices [T, k]), the rows read
+    in place (XLA transposed a CSA layer's 2,059 indexer rows every decode step at an 8k
+    context, then ran a generic top-k). Scores differ from the twin's only in summation
+    order; the picks are `top_k`'s order of them. Under `vmap` every operand takes the row
+    axis (`broadcast_all`)."""
+    T = q.shape[0]
+    out = (jax.ShapeDtypeStruct((T, k), jnp.float32), jax.ShapeDtypeStruct((T, k), jnp.int32))
+    call = _ffi("ds4jax_index_top_f32", out, vmap_method="broadcast_all")
+    return call(q, w.astype(jnp.float32), rows, visible.astype(bool))

@@ -325,7 +325,7 @@ def test_a_batched_step_copies_no_window_ring():
 
 def test_decode_steps_attend_natively_as_the_twins_do():
     """Every layer kind of `tiny` (sliding, CSA past its indexer's top-k, HCA) decoding
-    through the native attention: the twins' logits, step after step."""
+    through the native attention and indexer: the twins' logits, step after step."""
     from ds4jax.model.forward import decode_step, prefill
     from ds4jax.model.params import init_params
     from ds4jax.model.state import init_state
@@ -335,7 +335,8 @@ def test_decode_steps_attend_natively_as_the_twins_do():
     prompt = (np.arange(2, 150) * 7 % 1000).astype(np.int32)  # 37 CSA rows > top-16
     state, _ = prefill(params, init_state(cfg, 192), prompt, cfg)
     step = jax.jit(decode_step, static_argnames="cfg")
-    assert "ds4jax_attend_write_f32" in step.lower(params, state, 5, cfg=cfg).as_text()
+    text = step.lower(params, state, 5, cfg=cfg).as_text()
+    assert "ds4jax_attend_write_f32" in text and "ds4jax_index_top_f32" in text
     with native.disabled():
         twin = jax.jit(lambda p, s, t: decode_step(p, s, t, cfg))
         theirs = state
@@ -345,3 +346,52 @@ def test_decode_steps_attend_natively_as_the_twins_do():
     for t in (5, 9, 11):
         ours = step(params, ours, t, cfg=cfg)
     np.testing.assert_allclose(np.asarray(ours.logits), np.asarray(theirs.logits), atol=1e-5)
+
+
+def _indexer_operands(T: int, IH: int, d: int, C: int, seed: int = 0) -> tuple:
+    rng = np.random.default_rng(seed)
+    rows = rng.standard_normal((C, d), dtype=np.float32)
+    rows[C // 2 :: 7] = rows[C // 3]  # equal scores: top_k puts the lower index first
+    visible = rng.random((T, C)) < 0.7
+    visible[0, :4], visible[0, 4:] = True, False  # 4 < k: −∞ scores fill the rest, in order
+    f = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32))  # noqa: E731
+    return f(T, IH, d), f(T, IH), jnp.asarray(rows), jnp.asarray(visible)
+
+
+@pytest.mark.parametrize(("T", "IH", "d", "C", "k"),
+                         [(1, 16, 64, 2059, 512), (3, 16, 64, 700, 512), (2, 5, 20, 90, 30),
+                          (native.GEMV_ROWS, 64, 128, 600, 512)])  # fmt: skip
+def test_index_top_picks_what_top_k_of_the_twin_scores_picks(T, IH, d, C, k):
+    """The indexer's scores (the twin's up to summation order) and `jax.lax.top_k`'s order
+    of them: each pick's twin score is the twin's score of that rank (two rows whose scores
+    differ by rounding alone may trade places), equal scores by the lower index first, the
+    rows a query does not see last as −∞ in index order."""
+    from ds4jax.pallas_kernels.indexer_scores import indexer_scores_reference
+
+    q, w, rows, visible = _indexer_operands(T, IH, d, C)
+    assert native.index_top_supported(q, rows)
+    got_v, got_i = map(np.asarray, jax.jit(lambda *a: native.index_top(*a, k))(q, w, rows, visible))
+    scores = np.asarray(indexer_scores_reference(q, w, rows, visible))
+    want_v, want_i = map(np.asarray, jax.lax.top_k(scores, k))
+    np.testing.assert_allclose(np.take_along_axis(scores, got_i, 1), want_v, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_v, want_v, rtol=1e-5, atol=1e-5)
+    assert (got_i != want_i).mean() < 0.01  # trades of near-equal neighbours only
+    for t in range(T):
+        same = got_v[t, 1:] == got_v[t, :-1]
+        assert (got_i[t, 1:][same] > got_i[t, :-1][same]).all()
+    assert same.any()  # the copied rows gave equal scores within one query's picks
+    np.testing.assert_array_equal(np.sort(got_i[0, :4]), np.arange(4))
+    np.testing.assert_array_equal(got_i[0, 4:], np.arange(4, k))
+    assert np.isneginf(got_v[0, 4:]).all()
+
+
+def test_index_top_under_vmap_is_one_call_and_a_row_alone_equals_it_in_the_batch():
+    rows = [_indexer_operands(1, 16, 64, 300, seed=s) for s in range(3)]
+    batch = [jnp.stack(parts) for parts in zip(*rows, strict=True)]
+    f = jax.jit(jax.vmap(lambda *a: native.index_top(*a, 64)))
+    got_v, got_i = f(*batch)
+    assert f.lower(*batch).as_text().count("ds4jax_index_top_f32") == 1
+    for i in range(3):
+        v, ix = jax.jit(lambda *a: native.index_top(*a, 64))(*rows[i])
+        assert np.array_equal(np.asarray(v), np.asarray(got_v[i]))
+        assert np.array_equal(np.asarray(ix), np.asarray(got_i[i]))
