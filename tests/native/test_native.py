@@ -395,3 +395,22 @@ def test_index_top_under_vmap_is_one_call_and_a_row_alone_equals_it_in_the_batch
         v, ix = jax.jit(lambda *a: native.index_top(*a, 64))(*rows[i])
         assert np.array_equal(np.asarray(v), np.asarray(got_v[i]))
         assert np.array_equal(np.asarray(ix), np.asarray(got_i[i]))
+
+
+def test_kernels_called_from_several_threads_at_once_give_their_results():
+    """One call at a time holds the library's helper threads; calls made meanwhile from
+    other threads run on XLA's pool instead: every result is still the call's own."""
+    import concurrent.futures
+
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((2048, 512), dtype=np.float32))
+    xs = [jnp.asarray(rng.standard_normal((1 + i % 8, 512), dtype=np.float32)) for i in range(12)]
+    f = jax.jit(native.gemv)
+    want = [np.asarray(f(x, w)) for x in xs]
+
+    def calls(i: int) -> bool:
+        return all(np.array_equal(np.asarray(f(xs[j], w)), want[j])
+                   for _ in range(20) for j in (i, (i + 5) % 12))  # fmt: skip
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(calls, range(12)))
