@@ -376,7 +376,11 @@ def attention(
     G = cfg.o_groups
     grouped = o.reshape(T, G, (H // G) * hd)
     wo_a = p["wo_a"].reshape(G, cfg.o_lora_rank, (H // G) * hd)
-    low = jnp.einsum("tgi,goi->tgo", grouped, wo_a).reshape(T, G * cfg.o_lora_rank)
+    if native.active() and native.gemv_grouped_supported(grouped, wo_a):
+        low = native.gemv_grouped(grouped, wo_a)
+    else:
+        low = jnp.einsum("tgi,goi->tgo", grouped, wo_a)
+    low = low.reshape(T, G * cfg.o_lora_rank)
     return linear(low, p["wo_b"]), new
 
 

@@ -414,3 +414,25 @@ def test_kernels_called_from_several_threads_at_once_give_their_results():
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         assert all(pool.map(calls, range(12)))
+
+
+@pytest.mark.parametrize("T", [1, 3, native.GEMV_ROWS])
+def test_gemv_grouped_matches_the_einsum(T):
+    """The attention's grouped output projection: each group's inputs through its own
+    weight, the twin's einsum up to summation order; a bf16 weight gives exactly the
+    products of its f32 values; under `vmap` one call, a row alone equal to it in the batch."""
+    rng = np.random.default_rng(T)
+    x = jnp.asarray(rng.standard_normal((T, 4, 256), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((4, 96, 256), dtype=np.float32))
+    assert native.gemv_grouped_supported(x, w)
+    f = jax.jit(native.gemv_grouped)
+    got = np.asarray(f(x, w))
+    np.testing.assert_allclose(got, np.asarray(jnp.einsum("tgi,goi->tgo", x, w)), rtol=1e-5,
+                               atol=1e-4)  # fmt: skip
+    half = w.astype(jnp.bfloat16)
+    assert np.array_equal(np.asarray(f(x, half)), np.asarray(f(x, half.astype(jnp.float32))))
+    rows = jnp.stack([x, 2 * x])
+    g = jax.jit(jax.vmap(native.gemv_grouped, in_axes=(0, None)))
+    assert g.lower(rows, w).as_text().count("ds4jax_gemv_grouped_f32") == 1
+    assert np.array_equal(np.asarray(g(rows, w))[0], got)
+    assert not native.gemv_grouped_supported(x, w[:3])  # groups differ
