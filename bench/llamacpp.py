@@ -17,9 +17,11 @@ side in one run, on the same cores.
   next-token logits at every position (the minimum is reported; the bar is 0.9999). llama.cpp
   does not simulate the FP8 KV / FP4 indexer rounding, so the bar applies to ds4jax with
   `quant_sim` off; the on figure is reported beside it.
-* **Speed.** `llama-bench -t 2 -p 512,2048,8192 -n 32 -r 2` on each GGUF, and ds4jax's
-  prefill of the same lengths and 32 greedy steps of the server's batched step at size 1
-  (`quant_sim` off: the same math), twice: all f32 (beside "all F32") and with
+* **Speed.** `llama-bench -t 2 -p 512,2048,8192 -n 32 -r 2` on each GGUF (its `tg32`
+  decodes from an empty cache) and `-p 0 -n 32 -d 8192` (the same after 8,192 tokens), and
+  ds4jax's prefill of the same lengths and 32 greedy steps of the server's batched step at
+  size 1 after one token and after the 8,192-token prefill (`quant_sim` off: the same
+  math), twice: all f32 (beside "all F32") and with
   `--weights fp4-experts` (the routed experts resident in the release's FP4, two codes per
   byte, the rest f32: beside "as converted", as many weight bits per token). The summary
   gains ds4jax / llama.cpp for each prefill size and for decode, each pair like for like
@@ -183,19 +185,25 @@ def convert(checkpoint: Path, out: Path, log: Path) -> Path:
 
 
 def parse_llama_bench(text: str) -> dict[str, float]:
-    """`llama-bench -o json` → {"pp512": tok/s, …, "tg32": tok/s} (mean over repetitions)."""
+    """`llama-bench -o json` → {"pp512": tok/s, …, "tg32": tok/s} (mean over repetitions);
+    a test run after `n_depth` tokens already in the cache is keyed "tg32@d8192"."""
     out: dict[str, float] = {}
     for row in json.loads(text):
+        at = f"@d{row['n_depth']}" if row.get("n_depth") else ""
         if row.get("n_prompt") and not row.get("n_gen"):
-            out[f"pp{row['n_prompt']}"] = float(row["avg_ts"])
+            out[f"pp{row['n_prompt']}{at}"] = float(row["avg_ts"])
         elif row.get("n_gen") and not row.get("n_prompt"):
-            out[f"tg{row['n_gen']}"] = float(row["avg_ts"])
+            out[f"tg{row['n_gen']}{at}"] = float(row["avg_ts"])
     return out
 
 
-def llama_bench(tool: Path, gguf: Path, sizes: tuple[int, ...]) -> dict[str, float]:
-    cmd = [str(tool), "-m", str(gguf), "-t", str(THREADS), "-p", ",".join(map(str, sizes)),
-           "-n", str(DECODE), "-r", "2", "-o", "json"]  # fmt: skip
+def llama_bench(tool: Path, gguf: Path, sizes: tuple[int, ...], depth: int = 0
+                ) -> dict[str, float]:  # fmt: skip
+    """Prefill of each of `sizes` and `DECODE` generated tokens from an empty cache; with
+    `depth`, only the decode, after `depth` tokens (llama-bench's `-d`)."""
+    prompts = ["-p", ",".join(map(str, sizes))] if sizes else ["-p", "0"]
+    cmd = [str(tool), "-m", str(gguf), "-t", str(THREADS), *prompts, "-n", str(DECODE),
+           *(["-d", str(depth)] if depth else []), "-r", "2", "-o", "json"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", check=False)
     if proc.returncode:
         raise RuntimeError(f"llama-bench failed: {proc.stderr[-2000:]}")
@@ -221,7 +229,9 @@ def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 def ds4jax_speed(cfg: Any, params: Any, sizes: tuple[int, ...]) -> dict[str, float]:
     """Prefill tok/s at each size (best of two after a compile run) and greedy decode
-    tok/s over `DECODE` steps, as `bench.model` measures them."""
+    tok/s over `DECODE` steps, as `bench.model` measures them: after one token (beside
+    llama-bench's `tg32`, which starts from an empty cache) and after the largest prefill
+    (beside its `tg32` at that depth, `-d`)."""
     from bench.model import Ds4jax
 
     engine = Ds4jax.__new__(Ds4jax)
@@ -237,7 +247,11 @@ def ds4jax_speed(cfg: Any, params: Any, sizes: tuple[int, ...]) -> dict[str, flo
             times.append(dt)
         out[f"pp{n}"] = n / min(times[1:])
     engine.decode(state, 2)  # compile the step
-    out[f"tg{DECODE}"] = DECODE / min(engine.decode(state, DECODE) for _ in range(2))
+    deep = DECODE / min(engine.decode(state, DECODE) for _ in range(2))
+    _, short = engine.prefill(engine.state(1 + DECODE + 8), rng.integers(2, cfg.vocab_size, 1))
+    engine.decode(short, 2)
+    out[f"tg{DECODE}"] = DECODE / min(engine.decode(short, DECODE) for _ in range(2))
+    out[f"tg{DECODE}@d{sizes[-1]}"] = deep
     return out
 
 
@@ -288,7 +302,10 @@ def main(quick: bool = False, cfg_name: str = "bench-192m", seed: int = 0) -> di
             print(f"logits vs llama.cpp ({name}): {out['logits'][name]}", flush=True)
         out["llama_cpp_tok_s"] = {}
         for name, gguf in ggufs.items():
-            out["llama_cpp_tok_s"][name] = llama_bench(tools["bench"], gguf, sizes)
+            out["llama_cpp_tok_s"][name] = {
+                **llama_bench(tools["bench"], gguf, sizes),
+                **llama_bench(tools["bench"], gguf, (), depth=sizes[-1]),
+            }
             print(f"llama.cpp {name}: {out['llama_cpp_tok_s'][name]}", flush=True)
         # the same math as llama.cpp: no FP8 KV / FP4 indexer simulation on either side
         out["ds4jax_tok_s"] = ds4jax_speed(cfg.replace(quant_sim=False), params, sizes)

@@ -232,7 +232,9 @@ def llamacpp(rep: Row) -> list[Row]:
         ours = ours_for(rep, variant)
         for k, v in theirs.items():
             if k in ours:
-                what = f"prefill {k[2:]} tokens" if k.startswith("pp") else f"decode {k[2:]} tokens"
+                size, _, depth = k[2:].partition("@d")
+                what = f"prefill {size} tokens" if k.startswith("pp") else f"decode {size} tokens"
+                what += f" after {int(depth):,}" if depth else ""
                 out.append(ratio("llamacpp", f"ds4jax / llama.cpp ({variant}) tok/s", what,
                                  ours[k], v, "tok/s"))  # fmt: skip
     return out

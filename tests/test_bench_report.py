@@ -212,11 +212,24 @@ RESPONSES = {
 }
 
 LLAMACPP = {
-    "ds4jax_tok_s": {"pp512": 2000.0, "tg32": 90.0},
-    "ds4jax_fp4_experts_tok_s": {"pp512": 1800.0, "tg32": 75.0},
-    "llama_cpp_tok_s": {"as_converted": {"pp512": 1600.0, "tg32": 150.0},
-                        "all_f32": {"pp512": 1000.0, "tg32": 60.0}},
+    "ds4jax_tok_s": {"pp512": 2000.0, "tg32": 90.0, "tg32@d512": 80.0},
+    "ds4jax_fp4_experts_tok_s": {"pp512": 1800.0, "tg32": 60.0, "tg32@d512": 70.0},
+    "llama_cpp_tok_s": {"as_converted": {"pp512": 1600.0, "tg32": 150.0, "tg32@d512": 140.0},
+                        "all_f32": {"pp512": 1000.0, "tg32": 60.0, "tg32@d512": 64.0}},
 }  # fmt: skip
+
+
+def test_llamacpp_ratios_pair_decode_at_the_same_depth() -> None:
+    """Decode from an empty cache beside llama-bench's `tg32`, decode after the largest
+    prefill beside its `tg32` at that depth (`-d`): never one against the other."""
+    from bench import summary
+
+    rows = {(r["ratio"], r["at"]): r for r in summary.llamacpp(LLAMACPP)}
+    f32 = "ds4jax / llama.cpp (all_f32) tok/s"
+    assert rows[f32, "decode 32 tokens"]["value"] == pytest.approx(1.5)
+    assert rows[f32, "decode 32 tokens after 512"]["value"] == pytest.approx(1.25)
+    assert rows[f32, "prefill 512 tokens"]["value"] == pytest.approx(2.0)
+
 
 METRICS = {
     "decode": {"streams": 8, "tokens_each": 128, "rounds": 2, "token_us": 2.0,
@@ -359,7 +372,7 @@ def test_summary_ratios_are_this_runs_measurements() -> None:
     # 10 ms a token (100 tok/s), 2 us of it the observer's
     assert _value(rows, "token time / metrics observer's time per token", "8 streams") == 5000
     # like for like: the as-converted GGUF (MXFP4 experts) beside ds4jax's fp4-experts run
-    assert _value(rows, "ds4jax / llama.cpp (as_converted) tok/s", "decode") == 0.5
+    assert _value(rows, "ds4jax / llama.cpp (as_converted) tok/s", "decode 32 tokens after") == 0.5
     assert _value(rows, "ds4jax / llama.cpp (all_f32) tok/s", "prefill 512") == 2.0
     assert _value(rows, "cold / visible_prefix TTFT", "20400 ") == 200.0
     assert _value(rows, "cold / live_tool TTFT", "1000 ") == 20.0
@@ -421,9 +434,10 @@ def test_llama_bench_json_and_logit_cosine() -> None:
 
     text = (
         '[{"n_prompt": 512, "n_gen": 0, "avg_ts": 1578.5, "stddev_ts": 3.1},'
-        ' {"n_prompt": 0, "n_gen": 32, "avg_ts": 131.25, "stddev_ts": 0.5}]'
+        ' {"n_prompt": 0, "n_gen": 32, "avg_ts": 131.25, "stddev_ts": 0.5, "n_depth": 0},'
+        ' {"n_prompt": 0, "n_gen": 32, "avg_ts": 101.5, "stddev_ts": 0.5, "n_depth": 8192}]'
     )
-    assert parse_llama_bench(text) == {"pp512": 1578.5, "tg32": 131.25}
+    assert parse_llama_bench(text) == {"pp512": 1578.5, "tg32": 131.25, "tg32@d8192": 101.5}
     a = np.array([[1.0, 2.0, 3.0], [1.0, 0.0, 0.0]], np.float32)
     assert min_cosine(a, a * 2) == pytest.approx(1.0)
     assert min_cosine(a, np.array([[1.0, 2.0, 3.0], [0.0, 1.0, 0.0]], np.float32)) == 0.0
