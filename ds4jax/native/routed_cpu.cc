@@ -187,12 +187,35 @@ inline __m256 load8(const bf16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 #endif
+// The GEMV's vector: 16 floats where the compiler targets AVX-512, else 8 (AVX2).
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+struct Vec {
+  using T = __m512;
+  static constexpr int W = 16;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T load(const bf16* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static float sum(T v) {
+    return hsum(_mm256_add_ps(_mm512_castps512_ps256(v),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+  }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Vec {
+  using T = __m256;
+  static constexpr int W = 8;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return load8(p); }
+  static T load(const bf16* p) { return load8(p); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static float sum(T v) { return hsum(v); }
+};
 #endif
 
 // dots of one weight row a[n] with N vectors b[t][n] (the tokens of one expert): the row
@@ -211,45 +234,25 @@ inline void dots_n(const W* a, const float* const* b, int64_t n, float* out) {
   static_assert(N <= PASS, "CH chains for each token: at most PASS tokens in registers");
   int64_t i = 0;
   float acc[N] = {};
-#if defined(__AVX512F__)
-  __m512 s[N][CH];
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  constexpr int V = Vec::W;
+  typename Vec::T s[N][CH];
   for (int t = 0; t < N; ++t)
-    for (int c = 0; c < CH; ++c) s[t][c] = _mm512_setzero_ps();
-  for (; i + 16 * CH <= n; i += 16 * CH) {
+    for (int c = 0; c < CH; ++c) s[t][c] = Vec::zero();
+  for (; i + V * CH <= n; i += V * CH) {
     for (int c = 0; c < CH; ++c) {
-      const __m512 av = load16(a + i + 16 * c);
-      for (int t = 0; t < N; ++t)
-        s[t][c] = _mm512_fmadd_ps(av, _mm512_loadu_ps(b[t] + i + 16 * c), s[t][c]);
+      const auto av = Vec::load(a + i + V * c);
+      for (int t = 0; t < N; ++t) s[t][c] = Vec::fma(av, Vec::load(b[t] + i + V * c), s[t][c]);
     }
   }
-  for (; i + 16 <= n; i += 16) {
-    const __m512 av = load16(a + i);
-    for (int t = 0; t < N; ++t) s[t][0] = _mm512_fmadd_ps(av, _mm512_loadu_ps(b[t] + i), s[t][0]);
+  for (; i + V <= n; i += V) {
+    const auto av = Vec::load(a + i);
+    for (int t = 0; t < N; ++t) s[t][0] = Vec::fma(av, Vec::load(b[t] + i), s[t][0]);
   }
   for (int t = 0; t < N; ++t) {
-    __m512 v = s[t][0];
-    for (int c = 1; c < CH; ++c) v = _mm512_add_ps(v, s[t][c]);
-    acc[t] = hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 s[N][CH];
-  for (int t = 0; t < N; ++t)
-    for (int c = 0; c < CH; ++c) s[t][c] = _mm256_setzero_ps();
-  for (; i + 8 * CH <= n; i += 8 * CH) {
-    for (int c = 0; c < CH; ++c) {
-      const __m256 av = load8(a + i + 8 * c);
-      for (int t = 0; t < N; ++t)
-        s[t][c] = _mm256_fmadd_ps(av, _mm256_loadu_ps(b[t] + i + 8 * c), s[t][c]);
-    }
-  }
-  for (; i + 8 <= n; i += 8) {
-    const __m256 av = load8(a + i);
-    for (int t = 0; t < N; ++t) s[t][0] = _mm256_fmadd_ps(av, _mm256_loadu_ps(b[t] + i), s[t][0]);
-  }
-  for (int t = 0; t < N; ++t) {
-    __m256 v = s[t][0];
-    for (int c = 1; c < CH; ++c) v = _mm256_add_ps(v, s[t][c]);
-    acc[t] = hsum(v);
+    auto v = s[t][0];
+    for (int c = 1; c < CH; ++c) v = Vec::add(v, s[t][c]);
+    acc[t] = Vec::sum(v);
   }
 #endif
   for (; i < n; ++i)  // an explicit fma: the same rounding in every instantiation
@@ -526,48 +529,39 @@ void gemv(ffi::ThreadPool& pool, const float* X, const W* Wt, int64_t T, int64_t
   });
 }
 
-ffi::Error GemvF32(ffi::ThreadPool pool, ffi::AnyBuffer x_any, ffi::AnyBuffer w_any,
-                   ffi::Result<ffi::AnyBuffer> out) {
-  auto xd = x_any.dimensions(), wd = w_any.dimensions();
-  const bool half = w_any.element_type() == ffi::BF16;
-  if (xd.size() < 1 || wd.size() < 2 || x_any.element_type() != ffi::F32 ||
-      (w_any.element_type() != ffi::F32 && !half))
-    return ffi::Error::InvalidArgument("gemv_f32: f32 x [..., K] and f32/bf16 w [..., N, K]");
-  const int64_t K = xd.back(), N = wd[wd.size() - 2];
-  if (wd.back() != K) return ffi::Error::InvalidArgument("gemv_f32: K differs");
-  for (size_t i = 0; i + 2 < wd.size(); ++i)
-    if (wd[i] != 1) return ffi::Error::InvalidArgument("gemv_f32: a batched weight");
-  const int64_t T = K ? x_any.element_count() / K : 0;
-  const float* X = x_any.typed_data<float>();
-  float* Y = out->typed_data<float>();
+// The two GEMV targets' checks and call: a plain weight [..., N, K] (leading dims all 1) for
+// x [..., K], or with `grouped` W [G, O, K] for x [..., G, K] (y [..., G, O]); f32 or bf16.
+ffi::Error RunGemv(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                   ffi::AnyBuffer out, bool grouped) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  const size_t own = grouped ? 3 : 2;  // W's own dims: [G,] N, K
+  const bool half = w.element_type() == ffi::BF16;
+  if (xd.size() + 1 < own || wd.size() < own || x.element_type() != ffi::F32 ||
+      (w.element_type() != ffi::F32 && !half))
+    return ffi::Error::InvalidArgument("gemv: f32 x [..., (G,) K], f32/bf16 w [(G,) N, K]");
+  const int64_t K = xd.back(), N = wd[wd.size() - 2], G = grouped ? xd[xd.size() - 2] : 1;
+  if (wd.back() != K || (grouped && wd[wd.size() - 3] != G))
+    return ffi::Error::InvalidArgument("gemv: K (or the groups) differ");
+  for (size_t i = 0; i + own < wd.size(); ++i)
+    if (wd[i] != 1) return ffi::Error::InvalidArgument("gemv: a batched weight");
+  const int64_t T = G * K ? x.element_count() / (G * K) : 0;
+  const float* X = x.typed_data<float>();
+  float* Y = out.typed_data<float>();
   if (half)
-    gemv(pool, X, static_cast<const bf16*>(w_any.untyped_data()), T, N, K, Y);
+    gemv(pool, X, static_cast<const bf16*>(w.untyped_data()), T, G * N, K, Y, G);
   else
-    gemv(pool, X, w_any.typed_data<float>(), T, N, K, Y);
+    gemv(pool, X, w.typed_data<float>(), T, G * N, K, Y, G);
   return ffi::Error::Success();
 }
 
-// x [..., G, K] and W [G, O, K] (f32 or bf16; leading dims of W all 1) → y [..., G, O]
-ffi::Error GemvGroupedF32(ffi::ThreadPool pool, ffi::AnyBuffer x_any, ffi::AnyBuffer w_any,
+ffi::Error GemvF32(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                   ffi::Result<ffi::AnyBuffer> out) {
+  return RunGemv(pool, x, w, *out, false);
+}
+
+ffi::Error GemvGroupedF32(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                           ffi::Result<ffi::AnyBuffer> out) {
-  auto xd = x_any.dimensions(), wd = w_any.dimensions();
-  const bool half = w_any.element_type() == ffi::BF16;
-  if (xd.size() < 2 || wd.size() < 3 || x_any.element_type() != ffi::F32 ||
-      (w_any.element_type() != ffi::F32 && !half))
-    return ffi::Error::InvalidArgument("gemv_grouped_f32: f32 x [..., G, K], w [G, O, K]");
-  const int64_t K = xd.back(), G = xd[xd.size() - 2], O = wd[wd.size() - 2];
-  if (wd.back() != K || wd[wd.size() - 3] != G)
-    return ffi::Error::InvalidArgument("gemv_grouped_f32: G or K differs");
-  for (size_t i = 0; i + 3 < wd.size(); ++i)
-    if (wd[i] != 1) return ffi::Error::InvalidArgument("gemv_grouped_f32: a batched weight");
-  const int64_t T = G * K ? x_any.element_count() / (G * K) : 0;
-  const float* X = x_any.typed_data<float>();
-  float* Y = out->typed_data<float>();
-  if (half)
-    gemv(pool, X, static_cast<const bf16*>(w_any.untyped_data()), T, G * O, K, Y, G);
-  else
-    gemv(pool, X, w_any.typed_data<float>(), T, G * O, K, Y, G);
-  return ffi::Error::Success();
+  return RunGemv(pool, x, w, *out, true);
 }
 
 // The index of each row's largest value, as jnp.argmax picks it: the first maximum, or the
@@ -930,19 +924,18 @@ ffi::Error AttendWriteF32(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_gemv_f32, GemvF32,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+// the GEMVs' binding: x, w → y
+auto GemvBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>();
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_gemv_grouped_f32, GemvGroupedF32,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_gemv_f32, GemvF32, GemvBinding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_gemv_grouped_f32, GemvGroupedF32, GemvBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_routed_f32, RoutedF32,
                               ffi::Ffi::Bind()
