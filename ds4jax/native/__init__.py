@@ -4,14 +4,15 @@ XLA:CPU runs a decode step as hundreds of small library calls, most of them prod
 the machine's bandwidth, and it copies each selected expert out of the stacked expert
 weights before its product. `routed_cpu.cc` (named for its first kernel) holds the decode
 step's kernels, each reading a weight in place once for all the tokens of the call, the
-work spread over XLA's own intra-op thread pool: `routed` (the routed experts, f32 or FP4;
-twin: `model.layers._routed`), `gemv` (every f32 or bf16 linear of up to `GEMV_ROWS`
-tokens, the head included; twin: XLA's dot in `model.quantized.matmul`; `gemv_grouped`, the
-grouped output projection's, twin: its einsum), `argmax` (greedy selection;
-twin: `sampling.argmax`'s reductions), `attend` (a decode step's attention over a layer's
-key sources in place; twins: `pallas_kernels.sink_attention_reference` and
-`sparse_attention_reference`) and `index_top` (the CSA indexer's scores and top-k picks;
-twins: `pallas_kernels.indexer_scores_reference` and `jax.lax.top_k`). The callers take a
+work spread over the library's own helper threads (XLA's pool when another call holds
+them): `routed` (the routed experts, f32 or FP4; twin: `model.layers._routed`), `gemv`
+(every f32 or bf16 linear of up to `GEMV_ROWS` tokens, the head included; twin: XLA's dot
+in `model.quantized.matmul`; `gemv_grouped`, the grouped output projection's, twin: its
+einsum), `argmax` (greedy selection; twin: `sampling.argmax`'s reductions), `attend` (a
+decode step's attention over a layer's key sources in place; twins:
+`pallas_kernels.sink_attention_reference` and `sparse_attention_reference`) and
+`index_top` (the CSA indexer's scores and top-k picks; twins:
+`pallas_kernels.indexer_scores_reference` and `jax.lax.top_k`). The callers take a
 kernel when `active()` and its `*_supported` say so, else the twin; `disabled()` forces the
 twins, and `tests/native` compares each pair.
 
@@ -206,10 +207,18 @@ def gemv_supported(x: jax.Array, w: Any) -> bool:
     """Whether `gemv` takes these operands: f32 tokens [..., K], at most `GEMV_ROWS` of them,
     and a plain f32 or bf16 weight [N, K] (bf16 widened exactly, products in f32, as the
     twin's `dequantize` does), with no mesh set (`unpartitioned`)."""
-    return (unpartitioned() and x.ndim >= 1 and math.prod(x.shape[:-1]) <= GEMV_ROWS
-            and x.dtype == jnp.float32
-            and isinstance(w, jax.Array | np.ndarray) and w.ndim == 2
-            and w.dtype in (jnp.float32, jnp.bfloat16) and w.shape[1] == x.shape[-1])  # fmt: skip
+    return _gemv_operands(x, w, 1)
+
+
+def _gemv_operands(x: jax.Array, w: Any, groups: int) -> bool:
+    """The GEMVs' terms: no mesh, f32 tokens [..., (G,) K] (at most `GEMV_ROWS`), a plain
+    f32 or bf16 weight [(G,) N, K] — `groups` 1: no G axis, else the G of x's [-2]."""
+    g = () if groups == 1 else x.shape[-2:-1]
+    lead = x.shape[: x.ndim - 1 - len(g)]
+    return (unpartitioned() and x.ndim >= 1 + len(g) and math.prod(lead) <= GEMV_ROWS
+            and x.dtype == jnp.float32 and isinstance(w, jax.Array | np.ndarray)
+            and w.ndim == 2 + len(g) and tuple(w.shape[: len(g)]) == g
+            and w.dtype in (jnp.float32, jnp.bfloat16) and w.shape[-1] == x.shape[-1])  # fmt: skip
 
 
 def gemv(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -224,10 +233,7 @@ def gemv(x: jax.Array, w: jax.Array) -> jax.Array:
 def gemv_grouped_supported(x: jax.Array, w: Any) -> bool:
     """Whether `gemv_grouped` takes these operands: f32 tokens [..., G, K], at most
     `GEMV_ROWS` of them, a plain f32 or bf16 weight [G, O, K], no mesh set."""
-    return (unpartitioned() and x.ndim >= 2 and math.prod(x.shape[:-2]) <= GEMV_ROWS
-            and x.dtype == jnp.float32 and isinstance(w, jax.Array | np.ndarray)
-            and w.dtype in (jnp.float32, jnp.bfloat16) and w.ndim == 3 and w.shape[0] == x.shape[-2]
-            and w.shape[2] == x.shape[-1])  # fmt: skip
+    return x.ndim >= 2 and _gemv_operands(x, w, 0)
 
 
 def gemv_grouped(x: jax.Array, w: jax.Array) -> jax.Array:

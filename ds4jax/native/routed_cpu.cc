@@ -924,18 +924,21 @@ ffi::Error AttendWriteF32(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
 
 }  // namespace
 
-// the GEMVs' binding: x, w → y
-auto GemvBinding() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::ThreadPool>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>()
-      .Ret<ffi::AnyBuffer>();
+// A binding on XLA's thread pool with `N` untyped operands (each kernel checks its own).
+// (Built in one expression: a binding cannot be moved once named.)
+template <int N>
+auto AnyArgs() {
+  if constexpr (N == 0)
+    return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>();
+  else
+    return AnyArgs<N - 1>().template Arg<ffi::AnyBuffer>();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_gemv_f32, GemvF32, GemvBinding());
+// x, w → y
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_gemv_f32, GemvF32, AnyArgs<2>().Ret<ffi::AnyBuffer>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_gemv_grouped_f32, GemvGroupedF32, GemvBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_gemv_grouped_f32, GemvGroupedF32,
+                              AnyArgs<2>().Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_routed_f32, RoutedF32,
                               ffi::Ffi::Bind()
@@ -964,42 +967,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_routed_fp4, RoutedFp4,
                                   .Attr<float>("limit")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_argmax_f32, ArgmaxF32,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_argmax_f32, ArgmaxF32, AnyArgs<1>().Ret<ffi::AnyBuffer>());
 
-// the attention kernels' nine operands (q, raw, m1, own, m2, comp, pick, ok, sink)
-auto AttendBinding() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::ThreadPool>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>();
-}
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_attend_f32, AttendF32,
-                              AttendBinding().Ret<ffi::AnyBuffer>());
+// the attention kernels' nine operands (q, raw, m1, own, m2, comp, pick, ok, sink); the
+// writing one's slot tenth
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_attend_f32, AttendF32, AnyArgs<9>().Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_attend_write_f32, AttendWriteF32,
-                              AttendBinding()
-                                  .Arg<ffi::AnyBuffer>()  // slot
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              AnyArgs<10>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 
+// q, w, rows, visible → values, indices
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_index_top_f32, IndexTopF32,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              AnyArgs<4>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
