@@ -436,3 +436,53 @@ def test_gemv_grouped_matches_the_einsum(T):
     assert g.lower(rows, w).as_text().count("ds4jax_gemv_grouped_f32") == 1
     assert np.array_equal(np.asarray(g(rows, w))[0], got)
     assert not native.gemv_grouped_supported(x, w[:3])  # groups differ
+
+
+@pytest.mark.parametrize(("C", "k"), [(2059, 512), (300, 300), (90, 1), (1000, 999)])
+def test_top_k_is_lax_top_k(C, k):
+    """Values and indices bit for bit `jax.lax.top_k`'s: larger first, NaN above +∞, +0
+    above −0, −∞ last, equal values by the lower index — with many ties (values drawn from
+    a few), rows of one value, and rows sharing all but their last bytes."""
+    rng = np.random.default_rng(C + k)
+    rows = [
+        rng.standard_normal(C),
+        rng.choice([-1.5, 0.0, 2.0, 7.25], C),
+        np.full(C, 3.0),
+        1.0 + rng.integers(0, 4, C) * np.finfo(np.float32).eps,
+    ]
+    special = rng.standard_normal(C)
+    special[rng.choice(C, min(C, 40), replace=False)] = rng.choice(
+        [np.nan, np.inf, -np.inf, 0.0, -0.0], min(C, 40)
+    )
+    x = jnp.asarray(np.stack([*rows, special]), jnp.float32)
+    assert native.top_k_supported(x)
+    got_v, got_i = map(np.asarray, jax.jit(lambda a: native.top_k(a, k))(x))
+    want_v, want_i = map(np.asarray, jax.lax.top_k(x, k))
+    np.testing.assert_array_equal(got_i, want_i)
+    np.testing.assert_array_equal(got_v.view(np.uint32), want_v.view(np.uint32))
+
+
+def test_prefill_chunks_attend_natively_as_the_twins_do():
+    """A prefill chunk past the CSA indexer's top-k: its CSA layers take the native top-k of
+    the indexer's scores and the native attention over each query's picks (the twin attends
+    over every compressed row, masked) — the twins' logits at every position."""
+    from ds4jax.model.forward import forward_chunk, prefill
+    from ds4jax.model.params import init_params
+    from ds4jax.model.state import init_state
+
+    cfg = load_config("tiny")
+    params = init_params(cfg, 0)
+    prompt = (np.arange(2, 150) * 7 % 1000).astype(np.int32)  # 37 CSA rows > top-16
+    state, _ = prefill(params, init_state(cfg, 256), prompt, cfg)
+    chunk = jnp.asarray((np.arange(64) * 11 % 997).astype(np.int32))
+    text = forward_chunk.lower(params, state, chunk, 64, cfg=cfg, all_logits=True,
+                               streams=False).as_text()  # fmt: skip
+    assert "ds4jax_top_k_f32" in text and "ds4jax_attend_f32" in text
+    ours = forward_chunk(params, state, chunk, 64, cfg=cfg, all_logits=True, streams=False)
+    with native.disabled():
+        theirs = jax.jit(
+            lambda p, s, c: forward_chunk.__wrapped__(
+                p, s, c, 64, cfg=cfg, all_logits=True, streams=False
+            )
+        )(params, state, chunk)
+    np.testing.assert_allclose(np.asarray(ours[1]), np.asarray(theirs[1]), atol=1e-5)
