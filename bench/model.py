@@ -147,9 +147,10 @@ class Ds4jax:
         return time.perf_counter() - t0, state
 
     def decode(self, state: Any, steps: int) -> float:
-        """Greedy steps from `state` (left untouched) through the server's step
-        (`model.batch.step` at batch size 1: the token chosen inside the jitted step, the
-        batch donated), the token read back to the host every step as the server does."""
+        """Greedy tokens from `state` (left untouched) as the server decodes a row that only
+        samples: `model.batch.burst` programs of up to `BURST_STEPS` tokens at batch size 1
+        (tokens chosen inside the program, the batch donated), the tokens read back to the
+        host after each program."""
         import jax
         import numpy as np
 
@@ -157,11 +158,14 @@ class Ds4jax:
         from ds4jax.model import batch as batch_ops
 
         batch = jax.tree.map(lambda x: jax.numpy.array(x)[None], state)
-        args = step_args(1)
+        _, *args = step_args(1)
+        K = batch_ops.BURST_STEPS
         t0 = time.perf_counter()
-        for _ in range(steps):
-            batch, tok, _ = batch_ops.step(self.params, batch, *args, cfg=self.cfg, size=1)
-            np.asarray(tok)
+        for done in range(0, steps, K):
+            allowed = np.full(1, min(K, steps - done), np.int32)
+            batch, toks, _, _ = batch_ops.burst(self.params, batch, allowed, *args,
+                                                cfg=self.cfg, size=1)  # fmt: skip
+            np.asarray(toks)
         return time.perf_counter() - t0
 
 

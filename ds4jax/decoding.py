@@ -157,6 +157,8 @@ class RowDecoder:
         self._id_hex = id_stream(prepared.nonce)
         #: a sampled EOS (counted in `output_tokens`, never evaluated)
         self.sampled_eos = False
+        #: a forced token `take` found planned where a burst had sampled: the next plan
+        self.ahead: int | None = None
         self.logprobs: list[TokenLogprob] | None = (
             None if prepared.sampling.logprobs is None else []
         )
@@ -178,6 +180,9 @@ class RowDecoder:
 
     def plan(self) -> int | None:
         """Before a step: a forced token id, `SAMPLE`, or None when the row is finished."""
+        if self.ahead is not None:
+            ahead, self.ahead = self.ahead, None
+            return ahead
         p, tok = self.prepared, self.engine.tokenizer
         if len(self.generated) >= p.max_tokens:
             self.finish_reason = Finish.MAX_TOKENS
@@ -206,6 +211,26 @@ class RowDecoder:
             self.forced_at += 1
             return int(self.forced[self.forced_at - 1])
         return SAMPLE
+
+    def room(self, most: int) -> int:
+        """Tokens, up to `most`, this row may sample in a row before its output or the
+        context ends (a burst's `allowed`; what else stops it, `take` finds)."""
+        p = self.prepared
+        return max(0, min(most, p.max_tokens - len(self.generated),
+                          self.engine.max_len - len(self.tokens)))  # fmt: skip
+
+    def take(self, t: int) -> bool:
+        """A token a burst sampled for this row ahead of its plan: accepted where the row
+        would have sampled (`plan` says `SAMPLE`); else not — a forced token planned instead
+        is the next plan, a finished row takes nothing — and the row steps back to here."""
+        planned = self.plan()
+        if planned is None:
+            return False
+        if planned != SAMPLE:
+            self.ahead = planned
+            return False
+        self.accept(t)
+        return True
 
     def accept(self, t: int, logprob: TokenLogprob | None = None) -> None:
         """After a step: the token this row evaluated (or sampled EOS, not evaluated), with

@@ -17,6 +17,7 @@ from ds4jax.config import CONFIG_DIR
 from ds4jax.continuation.reasoning_seal import ReasoningSeal
 from ds4jax.engine import Engine
 from ds4jax.interleave import DEFAULT_STALL_BOUND
+from ds4jax.model.batch import BURST_STEPS
 from ds4jax.model.sharding import MESH_HELP
 from ds4jax.weights.options import add_attention_impl, add_hub_options, add_weights
 from serve import logs
@@ -58,6 +59,10 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
                     help="while requests decode, prefill a new prompt in chunks that keep "
                     "their gap between tokens within X decode steps (measured as it runs; "
                     "0: whole chunks, the streams wait)")  # fmt: skip
+    sp.add_argument("--burst", type=int, default=BURST_STEPS, metavar="N",
+                    help="while the decoding requests only sample and no prompt waits, one "
+                    f"program takes up to N tokens each (1…{BURST_STEPS}; 1: a program per "
+                    "token; each request's tokens and state are the same either way)")  # fmt: skip
     sp.add_argument("--api-key", default=os.environ.get("DS4JAX_API_KEY"),
                     help="require this key (x-api-key or Bearer); env DS4JAX_API_KEY")  # fmt: skip
     sp.add_argument("--model-name", default="deepseek-v4-flash", help="the model id served")
@@ -196,7 +201,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
             fork_points=True, state_budget_bytes=budget, max_batch=args.max_batch, mesh=mesh,
             chunk_sizes=chunks, host_budget_bytes=int(args.host_state_memory * 2**30) or None,
             stall_bound=args.stall_bound or None, speculative=args.speculative,
-            speculative_max_batch=args.speculative_max_batch, **paged,
+            speculative_max_batch=args.speculative_max_batch, burst=args.burst, **paged,
         )  # fmt: skip
     except ValueError as err:  # a state budget that holds no state, a batch the mesh cannot split
         raise SystemExit(f"ds4jax serve: {err}") from err

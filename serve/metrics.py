@@ -226,6 +226,7 @@ class _Snapshot:
             "disk_checkpoint_restores": getattr(store, "restored", 0),
             "mixed_steps": engine.mixed_steps,
             "mixed_step_prompt_tokens": engine.mixed_prompt_tokens,
+            "decode_bursts": engine.bursts,
         }
         yield from self._families(values, counts)
         yield from self._shard_families(engine)
@@ -306,6 +307,8 @@ STORE_COUNTERS = {
     "disk_checkpoint_restores": "Disk checkpoints loaded into a session.",
     "mixed_steps": "Decode steps a prompt's chunk rode in (--stall-bound).",
     "mixed_step_prompt_tokens": "Prompt tokens evaluated inside decode steps (--stall-bound).",
+    "decode_bursts": "Decode programs that took up to --burst tokens per row (the rows only "
+    "sampled, nothing waited or prefilled).",
 }
 SHARD_GAUGES = {
     "page_shard_pages_used": "Pages held in each data shard's block of the page pool "

@@ -76,6 +76,7 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
         stall_bound: float | None = None,
         speculative: str | None = None,
         speculative_max_batch: int | None = None,
+        burst: int = batch_ops.BURST_STEPS,
     ) -> None:
         """`sessions`, `fork_points`, `state_budget_bytes`: the session pool
         (`continuation.pool`); the budget bounds the retained states (None: unbounded).
@@ -96,7 +97,9 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
         (`interleave.chunk_limit`; None: whole chunks). `speculative="mtp"`: steps of at
         most `speculative_max_batch` rows (default: the platform's measured crossover,
         `speculation.default_max_batch`) draft with the params' MTP block and verify
-        (`ds4jax.speculation`); on one device only in this version."""
+        (`ds4jax.speculation`); on one device only in this version. `burst`: while the
+        active rows only sample and nothing waits or prefills, one program takes up to
+        that many tokens per row (`model.batch.burst`; 1: a program per token)."""
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer
@@ -157,6 +160,11 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
         self._lock = threading.Lock()  # one scheduler step at a time
         self._state_lock = threading.Lock()  # guards live + bindings for readers
         self._special_ids = {tokenizer.special_id(s) for s in specials.TEMPLATE_SPECIALS}
+        if not 1 <= burst <= batch_ops.BURST_STEPS:
+            raise ValueError(f"burst takes 1…{batch_ops.BURST_STEPS} tokens, not {burst}")
+        self.burst = burst
+        #: burst programs run (`model.batch.burst`)
+        self.bursts = 0
         self.spec: Speculator | None = None
         self.spec_max_batch = 0
         if speculative is not None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ds4jax.decoding import token_logprob
+from ds4jax.decoding import SAMPLE, token_logprob
 from ds4jax.engine.admission import next_chunk
 from ds4jax.engine.placement import on_mesh
 from ds4jax.engine.ticket import Ticket
@@ -170,6 +170,9 @@ class Stepping:
             stepping.append(row)
         if not stepping:
             return 0, 0
+        if self._bursts(filling, stepping, override):
+            self._burst(size, stepping, sampling)
+            return 0, 0
         self._grow_batch(stepping, 1)
         self._fit_rows(size)
         grid = None
@@ -216,6 +219,62 @@ class Stepping:
             else:
                 self._chunk_done(filling, prompt, nxt[0])
         return size, 0 if nxt is None else nxt[1]
+
+    def _bursts(self, filling: Ticket | None, stepping: list[int], override: np.ndarray) -> bool:
+        """Whether this step is a burst (`model.batch.burst`): on, dense rows that all
+        sample, no prompt waiting or prefilling (it would wait the burst out), no
+        speculation, no log-probabilities; under `stall_bound` once a plain step of this
+        size was measured (a prompt that arrives rides in the next step, at a known cost)."""
+        size = len(override)
+        return (self.burst > 1 and self.pages is None and self.spec is None and filling is None
+                and self._prefilling is None and not self.waiting
+                and (not self.stall_bound or size in self.tick_costs.step_s)
+                and all(override[r] == SAMPLE for r in stepping)
+                and not self._logprob_rows(stepping))  # fmt: skip
+
+    def _burst(self, size: int, stepping: list[int], sampling: tuple[np.ndarray, ...]) -> None:
+        """Up to `burst` tokens per row in one program; each row's decoder takes them in
+        order while it would have sampled them (`RowDecoder.take`), and a row that took
+        fewer than the program evaluated steps back to its last (`model.batch.rewind_row`)
+        with that token's key, so its state, tokens and key are a plain step's."""
+        eos = self.tokenizer.eos_id
+        allowed = np.zeros(size, np.int32)
+        for row in stepping:
+            allowed[row] = max(1, self._rows[row].decoder.room(self.burst))
+        self._grow_batch(stepping, int(allowed.max()))
+        self._fit_rows(size)
+        with on_mesh(self.mesh):
+            self._batch, tokens, keys, logits = batch_ops.burst(
+                self.params, self._batch, allowed, self._keys[:size], *sampling, np.int32(eos),
+                cfg=self.cfg, size=size, steps=self.burst,
+            )  # fmt: skip
+        self.bursts += 1
+        tokens, keys = fetch(tokens), fetch(keys)
+        for row in stepping:
+            ticket = self._rows[row]
+            decoder, start = ticket.decoder, len(ticket.decoder.tokens)
+            taken = 0
+            for i in range(int(allowed[row])):
+                t = int(tokens[i, row])
+                if i == 0:
+                    decoder.accept(t)
+                elif not decoder.take(t):
+                    break
+                taken += 1
+                if ticket.on_token is not None:
+                    ticket.on_token()
+                if decoder.done:
+                    break
+            self._keys[row] = keys[taken - 1, row]
+            ran = [int(t) for t in tokens[: allowed[row], row]]
+            evaluated = ran.index(eos) if eos in ran else len(ran)
+            if len(decoder.tokens) - start < evaluated:
+                with on_mesh(self.mesh):
+                    self._batch = batch_ops.rewind_row(self._batch, np.int32(row),
+                                                       np.int32(len(decoder.tokens)),
+                                                       logits[taken - 1, row])  # fmt: skip
+            if decoder.done:
+                self._finish_row(row)
 
     def _logprob_rows(self, rows: Sequence[int] | None = None) -> dict[int, int]:
         """The active rows (of `rows`) that report log-probabilities → their k."""

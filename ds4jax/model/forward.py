@@ -69,6 +69,16 @@ def forward_chunk(
 EXPERT_KEYS = frozenset({"w1", "w2", "w3"})
 
 
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    """The tokens' embedding rows in f32; a bf16 table (`--weights fp4-experts`) on CPU
+    through `native.rows` (XLA:CPU converts the whole table to gather from it, and inside
+    a burst's loop hoists that convert out of it: 265 MB written per burst)."""
+    table = params["embed"]
+    if native.active() and native.rows_supported(table, tokens):
+        return native.rows(table, tokens)
+    return table[tokens].astype(jnp.float32)
+
+
 def run_layers(
     params: Params,
     cfg: Config,
@@ -83,7 +93,7 @@ def run_layers(
     sees the T tokens together either way. Returns (hyper-connection streams [T, hc, D],
     new states)."""
     T = tokens.shape[0]
-    x = params["embed"][tokens].astype(jnp.float32)
+    x = embed(params, tokens)
     X = jnp.broadcast_to(x[:, None, :], (T, cfg.hc_mult, cfg.hidden_size))
     layers = []
     for i, (lp, ls) in enumerate(zip(params["layers"], layer_states, strict=True)):
@@ -150,7 +160,7 @@ def mtp_forward(params: Params, H: jax.Array, tokens: jax.Array, state: Any,
     streams the head runs on, of the block's (the positions a draft is read from: the
     head is the block's largest weight)."""
     mcfg, mp = cfg.mtp_block(), params["mtp"][depth]
-    e = rmsw(params["embed"][tokens].astype(jnp.float32), mp["enorm"], cfg.rms_eps)
+    e = rmsw(embed(params, tokens), mp["enorm"], cfg.rms_eps)
     X = linear(e, mp["e_proj"])[:, None, :] + linear(rmsw(H, mp["hnorm"], cfg.rms_eps),
                                                      mp["h_proj"])  # fmt: skip
     X, state = block(mcfg, 0, mp, state, X, tokens, attend, rows)

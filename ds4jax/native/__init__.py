@@ -13,7 +13,8 @@ decode step's attention over a layer's key sources in place; twins:
 `pallas_kernels.sink_attention_reference` and `sparse_attention_reference`) and
 `index_top` (the CSA indexer's scores and top-k picks; twins:
 `pallas_kernels.indexer_scores_reference` and `jax.lax.top_k`) and `top_k` (a prefill
-chunk's indexer picks from its scores; twin: `jax.lax.top_k`). The callers take a
+chunk's indexer picks from its scores; twin: `jax.lax.top_k`) and `rows` (the embedding
+lookup of a bf16 table; twin: the gather). The callers take a
 kernel when `active()` and its `*_supported` say so, else the twin; `disabled()` forces the
 twins, and `tests/native` compares each pair.
 
@@ -63,6 +64,7 @@ TARGETS = (
     "ds4jax_attend_write_f32",
     "ds4jax_index_top_f32",
     "ds4jax_top_k_f32",
+    "ds4jax_rows_f32",
 )
 
 _enabled = os.environ.get("DS4JAX_NATIVE", "1") != "0"
@@ -323,3 +325,19 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     shape = (*x.shape[:-1], k)
     out = (jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32))
     return _ffi("ds4jax_top_k_f32", out, vmap_method="expand_dims")(x)
+
+
+def rows_supported(table: Any, idx: jax.Array) -> bool:
+    """Whether `rows` takes these operands: a bf16 table [V, D] (f32 tables gather as they
+    are in XLA) and integer indices, no mesh set."""
+    return (unpartitioned() and isinstance(table, jax.Array | np.ndarray) and table.ndim == 2
+            and table.dtype == jnp.bfloat16 and jnp.issubdtype(idx.dtype, jnp.integer))  # fmt: skip
+
+
+def rows(table: jax.Array, idx: jax.Array) -> jax.Array:
+    """`table[idx].astype(float32)` for a bf16 table [V, D]: XLA:CPU gathers bf16 by
+    converting the whole table to f32 first, and inside a loop (`model.batch.burst`) hoists
+    that convert out as loop-invariant — 265 MB written per burst on bench-192m with
+    `--weights fp4-experts`, the burst 4x slower than its steps."""
+    out = jax.ShapeDtypeStruct((*idx.shape, table.shape[-1]), jnp.float32)
+    return _ffi("ds4jax_rows_f32", out, vmap_method="expand_dims")(table, idx.astype(jnp.int32))

@@ -114,7 +114,9 @@ def test_a_long_prefill_delays_the_others_by_one_chunk_per_step(batch_engine) ->
         before = len(short.decoder.generated)
         engine.tick()
         chunks += engine._prefilling is not None or long.decoder is not None
-        assert len(short.decoder.generated) == before + 1 or short.finished.is_set()
+        # one token a tick while the prompt prefills (the tick that ends it may burst)
+        assert (len(short.decoder.generated) == before + 1 or short.finished.is_set()
+                or long.decoder is not None)  # fmt: skip
     assert chunks >= 5  # the long prompt really took several steps
     while engine.busy:
         engine.tick()
@@ -183,15 +185,13 @@ def test_a_cancelled_row_leaves_and_the_others_go_on(batch_engine) -> None:
     alone = engine.run(prepared(engine, "Keep talking.", 12))
     fresh(engine)
     cancel = threading.Event()
-    gone = engine.submit(prepared(engine, "Say many words.", 12), cancel=cancel)
+    two = lambda: len(gone.decoder.generated) == 2 and cancel.set()  # noqa: E731
+    gone = engine.submit(prepared(engine, "Say many words.", 12), cancel=cancel, on_token=two)
     stays = engine.submit(prepared(engine, "Keep talking.", 12))
-    ticks = 0
     while engine.busy:
         engine.tick()
-        ticks += 1
-        if ticks == 6:
-            cancel.set()
-    assert gone.result.finish == "cancelled" and gone.result.output_tokens < 12
+    assert engine.bursts  # cancelled inside a burst: the row stepped back to its 2 tokens
+    assert gone.result.finish == "cancelled" and gone.result.output_tokens == 2
     assert stays.result.raw_text == alone.raw_text
     live = engine.pool.sessions[gone.result.session].live  # consistent where it stopped
     assert np.abs(engine.logits_for(live.tokens) - np.asarray(live.state.logits)).max() <= 1e-5

@@ -486,3 +486,41 @@ def test_prefill_chunks_attend_natively_as_the_twins_do():
             )
         )(params, state, chunk)
     np.testing.assert_allclose(np.asarray(ours[1]), np.asarray(theirs[1]), atol=1e-5)
+
+
+def test_rows_of_a_bf16_table_are_its_gather():
+    """`table[idx].astype(f32)` bit for bit, negative indices from the end and indices past
+    either end clamped as the gather clamps them; under `vmap` one call for every row."""
+    rng = np.random.default_rng(3)
+    table = jnp.asarray(rng.standard_normal((50, 24)), jnp.bfloat16)
+    idx = jnp.asarray([[0, 49, -1, -50], [7, 60, -80, 3]], jnp.int32)
+    assert native.rows_supported(table, idx)
+    assert not native.rows_supported(table.astype(jnp.float32), idx)
+    got = np.asarray(jax.jit(native.rows)(table, idx))
+    want = np.asarray(table[idx].astype(jnp.float32))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    f = jax.jit(jax.vmap(native.rows, in_axes=(None, 0)))
+    np.testing.assert_array_equal(np.asarray(f(table, idx)), want)
+    assert f.lower(table, idx).as_text().count("ds4jax_rows_f32") == 1
+
+
+def test_a_burst_never_converts_a_bf16_embedding_whole():
+    """Inside a burst's loop XLA hoisted the f32 convert of a bf16 embedding table (its way
+    to gather bf16) out as loop-invariant; with `native.rows` no op of the compiled burst
+    has the table's shape in f32."""
+    from bench.ops import step_args
+    from ds4jax.model import batch as batch_ops
+    from ds4jax.model.params import init_params
+    from ds4jax.model.state import init_state
+
+    cfg = load_config("tiny")
+    params = jax.eval_shape(lambda: init_params(cfg, 0))
+    for name in ("embed", "head"):  # in bf16, as `--weights fp4-experts` keeps them
+        params[name] = jax.ShapeDtypeStruct(params[name].shape, jnp.bfloat16)
+    state = jax.eval_shape(lambda: init_state(cfg, 64))
+    rows = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *x.shape), x.dtype), state)
+    _, *args = step_args(1)
+    text = batch_ops.burst.lower(params, rows, np.ones(1, np.int32), *args, cfg=cfg,
+                                 size=1).compile().as_text()  # fmt: skip
+    V, D = params["embed"].shape
+    assert "ds4jax_rows_f32" in text and f"f32[{V},{D}]" not in text
