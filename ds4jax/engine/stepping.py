@@ -223,13 +223,15 @@ class Stepping:
     def _bursts(self, filling: Ticket | None, stepping: list[int], override: np.ndarray) -> bool:
         """Whether this step is a burst (`model.batch.burst`): on, dense rows that all
         sample, no prompt waiting or prefilling (it would wait the burst out), no
-        speculation, no log-probabilities; under `stall_bound` once a plain step of this
-        size was measured (a prompt that arrives rides in the next step, at a known cost)."""
+        speculation, no log-probabilities, a row with room for more than one token (a
+        burst evaluates all its steps); under `stall_bound` once a plain step of this size
+        was measured (a prompt that arrives rides in the next step, at a known cost)."""
         size = len(override)
         return (self.burst > 1 and self.pages is None and self.spec is None and filling is None
                 and self._prefilling is None and not self.waiting
                 and (not self.stall_bound or size in self.tick_costs.step_s)
                 and all(override[r] == SAMPLE for r in stepping)
+                and max(self._rows[r].decoder.room(self.burst) for r in stepping) > 1
                 and not self._logprob_rows(stepping))  # fmt: skip
 
     def _burst(self, size: int, stepping: list[int], sampling: tuple[np.ndarray, ...]) -> None:

@@ -91,3 +91,13 @@ def test_requests_in_bursts_equal_a_program_per_token(engines) -> None:
 def test_burst_takes_one_to_its_rewind_room(_engine: Engine) -> None:
     with pytest.raises(ValueError, match="burst takes"):
         like(_engine, burst=batch_ops.BURST_STEPS + 1)
+
+
+def test_a_row_with_room_for_one_token_steps_plain(engines) -> None:
+    """A burst evaluates all its steps: rows with room for one token only (`max_tokens` 1)
+    take a plain step instead."""
+    bursting, _ = engines
+    fresh(bursting)
+    before = bursting.bursts
+    result = bursting.run(prepared(bursting, "Count to five.", 1))
+    assert result.output_tokens == 1 and bursting.bursts == before
