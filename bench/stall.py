@@ -15,6 +15,11 @@ anything is timed.
 
 Reported: p50 / p99 gaps and their ratio to the streams' p50 alone (the issue's bar:
 p99 ≤ 2×), the chunk sizes the bound chose, and the prompt's prefill rate either way.
+
+Both sides step a program per token (`burst=1`, `serve --burst 1`): the bar is about the
+gap between one token and the next, and bursts (`--burst`, the default) hand a stream its
+tokens four at a time while nothing waits — gaps of ~0 and of four steps, whose p50 says
+nothing about the pace; a prompt arriving stops them anyway.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def _engine(name: str, max_len: int, stall: float | None):
 
     cfg = load_config(name)
     return Engine(cfg, init_params(cfg, 0), V4Tokenizer(), max_len=max_len, chunk_sizes=CHUNKS,
-                  sessions=STREAMS + 2, max_batch=8, stall_bound=stall)  # fmt: skip
+                  sessions=STREAMS + 2, max_batch=8, stall_bound=stall, burst=1)  # fmt: skip
 
 
 def _long_text(tokenizer, tokens: int) -> str:
@@ -162,7 +167,7 @@ def _serve(name: str, ctx: int, stall: float | None, log: Path) -> tuple[subproc
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "ds4jax", "serve", "--config", name, "--ctx", str(ctx),
            "--port", str(port), "--sessions", str(STREAMS + 2),
-           "--stall-bound", str(stall or 0)]  # fmt: skip
+           "--stall-bound", str(stall or 0), "--burst", "1"]  # fmt: skip
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
