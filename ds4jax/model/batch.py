@@ -25,7 +25,6 @@ the step is the program it always was.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -37,7 +36,7 @@ from ds4jax.model import page_io
 from ds4jax.model.forward import logits_of, run_layers
 from ds4jax.model.layers import attention
 from ds4jax.model.params import Params
-from ds4jax.model.state import REWIND, DecodeState, init_state
+from ds4jax.model.state import REWIND, DecodeState, init_state, rewind
 from ds4jax.sampling import logprob_rows, sample_rows
 
 BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8)
@@ -287,8 +286,9 @@ def burst(
 @partial(jax.jit, donate_argnums=0)
 def rewind_row(batch: DecodeState, row: jax.Array, pos: jax.Array, logits: jax.Array):
     """Row `row` stepped back to `pos` with that position's next-token `logits`
-    (`state.rewind`, within its rewind room): a burst's tokens its decoder did not take."""
-    return replace(batch, pos=batch.pos.at[row].set(pos), logits=batch.logits.at[row].set(logits))
+    (`state.rewind` on that row, within its rewind room): a burst's tokens its decoder did
+    not take."""
+    return rewind(batch, batch.pos.at[row].set(pos), batch.logits.at[row].set(logits))
 
 
 def by_shard(f: Any, shards: int, pool_pages: int, tables: jax.Array, *trees: Any) -> Any:
