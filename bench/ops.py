@@ -1,5 +1,8 @@
 """Operations per decode step (issue 27): how many XLA operations one step of the server's
-batched decode (`model.batch.step`) executes, and what a step costs at B = 1, 2, 4, 8.
+batched decode (`model.batch.step`) executes, and what a step costs at B = 1, 2, 4, 8 —
+one program per token, and in bursts (`model.batch.burst`: `BURST_STEPS` tokens a row per
+program, how the server decodes while every row only samples), whose aggregate tok/s
+against B=1 is the batching bar.
 
 Why count: on XLA:CPU each operation of a compiled program is a separate kernel call with a
 fixed cost of a few microseconds (a launch on a GPU, a serial op on a TPU), and a decode
@@ -159,34 +162,73 @@ def decode_step_ops(cfg: Any, params: Any, state: Any, size: int,
     return count_ops(lowered.compile().as_text())
 
 
+def take_turns(runs: dict[Any, Any], rounds: int) -> dict[Any, list[float]]:
+    """Wall ms of each of `runs` (callables, compiled and warm), `rounds` times, the runs
+    taking turns: a drift of this machine's speed weighs on every one alike, so their
+    ratios are what is measured."""
+    out: dict[Any, list[float]] = {key: [] for key in runs}
+    for _ in range(rounds):
+        for key, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            out[key].append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def _rows(states: list[Any], size: int) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *states[:size])
+
+
 def step_ms(cfg: Any, params: Any, states: list[Any], sizes: tuple[int, ...], steps: int,
             ways: tuple[bool, ...] = (True,)) -> dict[tuple[bool, int], list[float]]:  # fmt: skip
     """Wall time of `steps` greedy steps at each batch size, with the native kernels on and
     off (`ways`), each step read back as the server does; row i of a batch is conversation
-    `states[i]`. The programs take turns step by step (all compiled first), so a drift of
-    this machine's speed weighs on every one alike: their ratios are what is measured."""
-    import jax
-    import jax.numpy as jnp
-
-    batches, args = {}, {size: step_args(size) for size in sizes}
+    `states[i]`; the programs take turns step by step (`take_turns`)."""
     programs = {way: step_program(way) for way in ways}
-    for way in ways:
-        for size in sizes:
-            b = jax.tree.map(lambda *xs: jnp.stack(xs), *states[:size])
-            for _ in range(3):  # compile, warm
-                b, tok, _k = programs[way](params, b, *args[size], cfg=cfg, size=size)
-                np.asarray(tok)
+    batches = {(way, size): _rows(states, size) for way in ways for size in sizes}
+
+    def run(way: bool, size: int) -> Any:
+        def once() -> None:
+            b, tok, _k = programs[way](params, batches[way, size], *step_args(size), cfg=cfg,
+                                       size=size)  # fmt: skip
             batches[way, size] = b
-    out: dict[tuple[bool, int], list[float]] = {key: [] for key in batches}
-    for _ in range(steps):
-        for way, size in batches:
-            t0 = time.perf_counter()
-            step = programs[way]
-            batches[way, size], tok, _k = step(params, batches[way, size], *args[size],
-                                               cfg=cfg, size=size)  # fmt: skip
             np.asarray(tok)
-            out[way, size].append((time.perf_counter() - t0) * 1e3)
-    return out
+
+        return once
+
+    runs = {key: run(*key) for key in batches}
+    take_turns(runs, 3)  # compile, warm
+    return take_turns(runs, steps)
+
+
+def burst_ms(cfg: Any, params: Any, states: list[Any], sizes: tuple[int, ...],
+             bursts: int) -> dict[int, list[float]]:  # fmt: skip
+    """Wall ms per token of `bursts` greedy bursts (`model.batch.burst`, the server's decode
+    while every row only samples: `BURST_STEPS` tokens a row per program) at each batch
+    size, the tokens read back after each, the sizes taking turns (`take_turns`)."""
+    from ds4jax.model import batch as batch_ops
+
+    K = batch_ops.BURST_STEPS
+    batches = {size: _rows(states, size) for size in sizes}
+
+    def run(size: int) -> Any:
+        _, *args = step_args(size)
+        allowed = np.full(size, K, np.int32)
+
+        def once() -> None:
+            b, tok, _k, _l = batch_ops.burst(params, batches[size], allowed, *args, cfg=cfg,
+                                             size=size)  # fmt: skip
+            batches[size] = b
+            np.asarray(tok)
+
+        return once
+
+    runs = {size: run(size) for size in sizes}
+    take_turns(runs, 2)  # compile, warm
+    return {size: [ms / K for ms in times] for size, times in take_turns(runs, bursts).items()}
 
 
 #: the rows' conversations: different tokens, so a batch's rows route to different experts
@@ -203,6 +245,7 @@ def run(quick: bool) -> dict[str, Any]:
 
     from ds4jax import native
     from ds4jax.config import load_config
+    from ds4jax.model.batch import BURST_STEPS
     from ds4jax.model.forward import prefill
     from ds4jax.model.params import init_params
     from ds4jax.model.state import init_state
@@ -215,6 +258,7 @@ def run(quick: bool) -> dict[str, Any]:
     jax.block_until_ready(states)
     ways = (True, False) if native.active() else (False,)
     timings = step_ms(cfg, params, states, SIZES, 10 if quick else 40, ways)
+    per_token = burst_ms(cfg, params, states, SIZES, 4 if quick else 16)
     rows = []
     for size in SIZES:
         row: dict[str, Any] = {"batch": size}
@@ -229,15 +273,19 @@ def run(quick: bool) -> dict[str, Any]:
                         f"{pre}step_ms_all": times})  # fmt: skip
             if not pre:
                 row["by_kind"] = dict(ops.by_kind.most_common())
+        ms = statistics.median(per_token[size])
+        row.update({"burst_ms_per_token": round(ms, 2), "burst_tok_s": round(size / ms * 1e3, 1),
+                    "burst_ms_all": per_token[size]})  # fmt: skip
         rows.append(row)
     for r in rows:
         r["aggregate_vs_b1"] = round(r["tok_s"] / rows[0]["tok_s"], 2)
+        r["burst_aggregate_vs_b1"] = round(r["burst_tok_s"] / rows[0]["burst_tok_s"], 2)
         if "twin_tok_s" in r:
             r["twin_aggregate_vs_b1"] = round(r["twin_tok_s"] / rows[0]["twin_tok_s"], 2)
             r["native_speedup"] = round(r["twin_step_ms"] / r["step_ms"], 2)
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "quick": quick,
             "model": name, "prompt_tokens": int(_prompt(0).size), "state_capacity": 4096,
-            "native_kernels": ways[0], "rows": rows}  # fmt: skip
+            "native_kernels": ways[0], "burst_steps": BURST_STEPS, "rows": rows}  # fmt: skip
 
 
 def main(quick: bool = False) -> dict[str, Any]:
@@ -245,17 +293,21 @@ def main(quick: bool = False) -> dict[str, Any]:
     rep = run(quick)
     rep["seconds"] = round(time.perf_counter() - t0, 1)
     print(f"\n{rep['model']}, decode step after a {rep['prompt_tokens']}-token prompt "
-          f"(greedy, median of the steps, the sizes taking turns)")  # fmt: skip
+          f"(greedy, median of the steps, the sizes taking turns); bursts of "
+          f"{rep['burst_steps']} steps per program as the server decodes")  # fmt: skip
     twin = "twin_ops" in rep["rows"][0]
     print(f"rows: {ROW_PROMPTS} different conversations; native CPU kernels "
           f"{'on, beside the jnp twins (twin_*)' if twin else 'off'}")  # fmt: skip
     print(
         f"{'batch':>5} {'ops':>12} {'ms/step':>8} {'tok/s':>7} {'vs B=1':>7}"
+        + f" {'burst ms/tok':>12} {'tok/s':>7} {'vs B=1':>7}"
         + (f" {'twin ops':>12} {'twin ms':>8} {'vs B=1':>7} {'speedup':>7}" if twin else "")
     )
     for r in rep["rows"]:
         line = (f"{r['batch']:>5} {r['ops']}-{r['ops_most']:<7} {r['step_ms']:>8.1f} "
-                f"{r['tok_s']:>7.1f} {r['aggregate_vs_b1']:>6.2f}x")  # fmt: skip
+                f"{r['tok_s']:>7.1f} {r['aggregate_vs_b1']:>6.2f}x "
+                f"{r['burst_ms_per_token']:>12.2f} {r['burst_tok_s']:>7.1f} "
+                f"{r['burst_aggregate_vs_b1']:>6.2f}x")  # fmt: skip
         if twin:
             line += (f" {r['twin_ops']}-{r['twin_ops_most']:<7} {r['twin_step_ms']:>8.1f} "
                      f"{r['twin_aggregate_vs_b1']:>6.2f}x "
