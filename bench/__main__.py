@@ -15,6 +15,7 @@
     python -m bench context         # the same conversation at --ctx 8k and 1M: speed, bytes
     python -m bench memory          # process memory: 8 agents at --ctx 1M, retries of a long prompt
     python -m bench ops             # XLA ops per decode step and its cost at B = 1, 2, 4, 8
+    python -m bench streams         # 1, 2, 4, 8 streaming SDK clients on a server: tok/s
     python -m bench speculative     # MTP speculative decoding: tok/s with/without, acceptance
     python -m bench layers          # where ds4jax's time goes inside one chunk
     python -m bench --quick         # small sizes: a smoke run
@@ -36,7 +37,7 @@ from typing import Any
 
 PARTS = ("prompt", "model", "continuation", "disk", "kernels", "sessions", "batching",
          "responses", "llamacpp", "metrics", "paged", "context", "memory", "ops", "stall",
-         "speculative",
+         "streams", "speculative",
          "layers")  # fmt: skip
 
 #: `make bench` keeps to about 28 minutes on 2 cores (20 before the stall part's 8): the
@@ -99,4 +100,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from ds4jax import allocator
+
+    allocator.reexec()  # as `ds4jax serve` runs: the engine measured is the one served
     main()

@@ -26,6 +26,12 @@ side in one run, on the same cores.
   byte, the rest f32: beside "as converted", as many weight bits per token). The summary
   gains ds4jax / llama.cpp for each prefill size and for decode, each pair like for like
   (`OURS`).
+* **Rounds.** The whole speed comparison runs `ROUNDS` times, the engines taking turns
+  within each (llama.cpp all F32, ds4jax all f32, llama.cpp as converted, ds4jax
+  fp4-experts), and each figure reported is its median over the rounds: this VM's speed
+  drifts by more than the gaps measured (two single runs minutes apart gave ds4jax's decode
+  after 8k 113.5 and 83.3 tok/s), and a drift then weighs on both engines alike. Each
+  round's own ratios are kept beside them (`rounds`).
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ HERE = Path(__file__).resolve().parent / "llamacpp"
 PREFILL = (512, 2048, 8192)
 DECODE = 32
 THREADS = 2
+#: rounds of the whole comparison, the engines taking turns within each (`main`)
+ROUNDS = 3
 #: which of ds4jax's figures each llama.cpp GGUF is set beside: the same weight bits per token
 OURS = {"all_f32": "ds4jax_tok_s", "as_converted": "ds4jax_fp4_experts_tok_s"}
 
@@ -227,6 +235,20 @@ def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float((num / den).min())
 
 
+def medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over the rounds that measured it."""
+    keys = dict.fromkeys(k for run in runs for k in run)
+    return {k: float(np.median([run[k] for run in runs if k in run])) for k in keys}
+
+
+def ratios(ours: dict[str, dict[str, float]], theirs: dict[str, dict[str, float]]
+           ) -> dict[str, dict[str, float]]:  # fmt: skip
+    """ds4jax / llama.cpp for each figure both measured, per llama.cpp variant."""
+    return {name: {k: round(ours[name][k] / v, 3) for k, v in figures.items()
+                   if k in ours[name] and v and not math.isnan(v)}
+            for name, figures in theirs.items()}  # fmt: skip
+
+
 def ds4jax_speed(cfg: Any, params: Any, sizes: tuple[int, ...]) -> dict[str, float]:
     """Prefill tok/s at each size (best of two after a compile run) and greedy decode
     tok/s over `DECODE` steps, as `bench.model` measures them: after one token (beside
@@ -300,30 +322,33 @@ def main(quick: bool = False, cfg_name: str = "bench-192m", seed: int = 0) -> di
                 "min_cosine_quant_sim_off": round(min_cosine(ours[False], theirs), 6),
             }
             print(f"logits vs llama.cpp ({name}): {out['logits'][name]}", flush=True)
-        out["llama_cpp_tok_s"] = {}
-        for name, gguf in ggufs.items():
-            out["llama_cpp_tok_s"][name] = {
-                **llama_bench(tools["bench"], gguf, sizes),
-                **llama_bench(tools["bench"], gguf, (), depth=sizes[-1]),
-            }
-            print(f"llama.cpp {name}: {out['llama_cpp_tok_s'][name]}", flush=True)
-        # the same math as llama.cpp: no FP8 KV / FP4 indexer simulation on either side
-        out["ds4jax_tok_s"] = ds4jax_speed(cfg.replace(quant_sim=False), params, sizes)
-        print(f"ds4jax: {out['ds4jax_tok_s']}", flush=True)
-        del params
         _, fp4, _, _ = load_model(
             str(release), weights="fp4-experts", load_tokenizer=load_tokenizer
         )
-        out["ds4jax_fp4_experts_tok_s"] = ds4jax_speed(cfg.replace(quant_sim=False), fp4, sizes)
-        print(f"ds4jax fp4-experts: {out['ds4jax_fp4_experts_tok_s']}", flush=True)
+        ours_params = {"all_f32": params, "as_converted": fp4}
+        same_math = cfg.replace(quant_sim=False)  # as llama.cpp: no FP8 KV / FP4 indexer
+        rounds = []
+        for r in range(1 if quick else ROUNDS):
+            one: dict[str, Any] = {"llama_cpp": {}, "ds4jax": {}}
+            for name, gguf in ggufs.items():  # the engines take turns, variant by variant
+                one["llama_cpp"][name] = {
+                    **llama_bench(tools["bench"], gguf, sizes),
+                    **llama_bench(tools["bench"], gguf, (), depth=sizes[-1]),
+                }
+                one["ds4jax"][name] = ds4jax_speed(same_math, ours_params[name], sizes)
+                print(f"round {r + 1} {name}: llama.cpp {one['llama_cpp'][name]}, "
+                      f"ds4jax {one['ds4jax'][name]}", flush=True)  # fmt: skip
+            one["ratios"] = ratios(one["ds4jax"], one["llama_cpp"])
+            rounds.append(one)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    out["ratios"] = {
-        name: {k: round(ours_for(out, name)[k] / v, 3) for k, v in theirs.items()
-               if k in ours_for(out, name) and v and not math.isnan(v)}
-        for name, theirs in out["llama_cpp_tok_s"].items()
-    }  # fmt: skip
-    print(f"ds4jax / llama.cpp: {out['ratios']}", flush=True)
+    out["rounds"] = rounds
+    out["llama_cpp_tok_s"] = {name: medians([r["llama_cpp"][name] for r in rounds])
+                              for name in ggufs}  # fmt: skip
+    for name, key in OURS.items():
+        out[key] = medians([r["ds4jax"][name] for r in rounds])
+    out["ratios"] = ratios({name: out[OURS[name]] for name in ggufs}, out["llama_cpp_tok_s"])
+    print(f"ds4jax / llama.cpp (medians of {len(rounds)} rounds): {out['ratios']}", flush=True)
     write_json("llamacpp", out, quick)
     return out
 

@@ -305,6 +305,7 @@ TABLES: dict[str, list[tuple[str, Callable[[Row], list[Row]]]]] = {
                                    for r in rep["rows"]])],
     "stall": [("gaps", lambda rep: [stall_row(r) for r in rep["runs"]])],
     "speculative": [("decode", lambda rep: rep["rows"])],
+    "streams": [("clients", lambda rep: rep["rows"])],
 }  # fmt: skip
 
 

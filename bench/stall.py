@@ -160,14 +160,14 @@ def scenario(name: str, max_len: int, prompt_tokens: int, stall: float | None,
                               for k, v in sorted(engine.tick_costs.step_s.items())}}  # fmt: skip
 
 
-def _serve(name: str, ctx: int, stall: float | None, log: Path) -> tuple[subprocess.Popen, str]:
-    """`ds4jax serve` on a free port, its log in `log`, returned once it says it is ready."""
+def serve(name: str, ctx: int, log: Path, args: list[str]) -> tuple[subprocess.Popen, str]:
+    """`ds4jax serve` of config `name` with `args` on a free port, its log in `log`,
+    returned once it says it is ready."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "ds4jax", "serve", "--config", name, "--ctx", str(ctx),
-           "--port", str(port), "--sessions", str(STREAMS + 2),
-           "--stall-bound", str(stall or 0), "--burst", "1"]  # fmt: skip
+           "--port", str(port), *args]  # fmt: skip
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
@@ -188,7 +188,12 @@ def over_http(name: str, ctx: int, prompt_tokens: int, stall: float | None, wind
     import anthropic
 
     log = Path(tempfile.gettempdir()) / f"ds4jax-bench-stall-{stall or 0}.log"
-    proc, url = _serve(name, ctx, stall, log)
+    proc, url = serve(
+        name,
+        ctx,
+        log,
+        ["--sessions", str(STREAMS + 2), "--stall-bound", str(stall or 0), "--burst", "1"],
+    )
     try:
         client = anthropic.Anthropic(base_url=url, api_key="bench", max_retries=0, timeout=900)
         stamps: list[list[float]] = [[] for _ in range(STREAMS)]

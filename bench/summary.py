@@ -320,6 +320,15 @@ def speculative(rep: Row) -> list[Row]:
                   r["spec_tok_s"], r["plain_tok_s"], "tok/s") for r in rep["rows"]]  # fmt: skip
 
 
+def streams(rep: Row) -> list[Row]:
+    """n streaming SDK clients' tokens in all against one client alone, over HTTP."""
+    rows = {r["clients"]: r for r in rep["rows"]}
+    at = f"{rep['model']}, `ds4jax serve` defaults, {rep['tokens']} tokens a client"
+    return [ratio("streams", f"decode tok/s in all over HTTP, {n} SDK clients / 1", at,
+                  rows[n]["aggregate_tok_s"], rows[1]["aggregate_tok_s"], "tok/s")
+            for n in sorted(rows) if n > 1 and 1 in rows]  # fmt: skip
+
+
 PARTS = {
     "prompt": prompt,
     "model": model,
@@ -337,6 +346,7 @@ PARTS = {
     "memory": memory,
     "stall": stall,
     "speculative": speculative,
+    "streams": streams,
 }
 
 

@@ -348,6 +348,10 @@ def enable_compile_cache() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # the program itself (`ds4jax`, `python -m ds4jax`), not a caller's call
+        from ds4jax import allocator
+
+        allocator.reexec()
     enable_compile_cache()
     args = build_parser().parse_args(argv)
     try:

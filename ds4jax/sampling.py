@@ -129,12 +129,49 @@ def _kept(z: jax.Array, greedy: jax.Array, top_k: jax.Array, top_p: jax.Array,
     m = jnp.where(greedy, 0.0, min_p)
 
     def unranked() -> jax.Array:
-        probs = jax.nn.softmax(z)
-        top = jnp.max(probs, axis=-1, keepdims=True)
-        return jnp.where((m > 0.0)[:, None], probs >= m[:, None] * top, True)
+        # p ≥ min_p · p_max, as exp(z − z_max) ≥ min_p: no softmax over the vocabulary
+        # (XLA:CPU ran one over 8 rows inside this conditional in ~3 ms, single-threaded)
+        floor = jnp.max(z, axis=-1) + jnp.log(jnp.where(m > 0.0, m, 1.0))
+        return jnp.where((m > 0.0)[:, None], z >= floor[:, None], True)
 
     ranked = jnp.any((k > 0) | (p < 1.0))
     return jax.lax.cond(ranked, lambda: keep_rows(z, k, p, m), unranked)
+
+
+#: tokens per block of `draw_rows`' two-level search
+DRAW_BLOCK = 1024
+
+
+def draw_rows(keys: jax.Array, z: jax.Array, mask: jax.Array) -> jax.Array:
+    """One token per row [B] (int32) from softmax(z) over the `mask`ed tokens, by inverting
+    its cumulative distribution at one uniform draw per row: the kept tokens' weights
+    exp(z − max) are summed in blocks of `DRAW_BLOCK`, the draw × their total finds its
+    block among the blocks' running sums, then its token among that block's. Token i is
+    drawn when the target falls in [C(i−1), C(i)) of the running sums — width its weight —
+    so a masked token (weight 0) never is. `jax.random.categorical` (Gumbel-max) draws one
+    threefry number and two logs per token of the vocabulary: 2.3 ms a row for V4's 129,280
+    on this CPU, 15 ms for 8 rows, as much as the decode step itself (issue 27)."""
+    B, V = z.shape
+    nb = -(-V // DRAW_BLOCK)
+    top = jnp.max(jnp.where(mask, z, -jnp.inf), axis=-1, keepdims=True)
+    w = jnp.where(mask, jnp.exp(z - top), 0.0)
+    w = jnp.pad(w, ((0, 0), (0, nb * DRAW_BLOCK - V))).reshape(B, nb, DRAW_BLOCK)
+    ends = jnp.cumsum(jnp.sum(w, axis=-1), axis=-1)  # [B, nb]: each block's running end
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
+    target = u * ends[:, -1]
+    # a target rounded up to a sum's end takes the last block / token with weight
+    blocks = jnp.arange(nb)
+    last_block = jnp.max(jnp.where(ends > jnp.pad(ends, ((0, 0), (1, 0)))[:, :-1], blocks, 0),
+                         axis=-1)  # fmt: skip
+    b = jnp.minimum(jnp.sum(ends <= target[:, None], axis=-1), last_block)
+    start = jnp.where(b > 0, jnp.take_along_axis(ends, jnp.maximum(b - 1, 0)[:, None], 1)[:, 0],
+                      0.0)  # fmt: skip
+    row = jnp.take_along_axis(w, b[:, None, None], axis=1)[:, 0]  # [B, DRAW_BLOCK]
+    ids = jnp.arange(DRAW_BLOCK)
+    last = jnp.max(jnp.where(row > 0, ids, 0), axis=-1)
+    j = jnp.minimum(jnp.sum(start[:, None] + jnp.cumsum(row, axis=-1) <= target[:, None],
+                            axis=-1), last)  # fmt: skip
+    return (b * DRAW_BLOCK + j).astype(jnp.int32)
 
 
 def _scaled(logits: jax.Array, temperature: jax.Array) -> jax.Array:
@@ -165,7 +202,7 @@ def sample_rows(
         if ban is not None:
             ids = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
             mask &= ids != ban[:, None]
-        tokens = jax.vmap(jax.random.categorical)(keys, jnp.where(mask, z, -jnp.inf))
+        tokens = draw_rows(keys, z, mask)
         return jnp.where(greedy, best, tokens).astype(jnp.int32)
 
     return jax.lax.cond(jnp.all(greedy), lambda: best, drawn)

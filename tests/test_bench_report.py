@@ -231,6 +231,32 @@ def test_llamacpp_ratios_pair_decode_at_the_same_depth() -> None:
     assert rows[f32, "prefill 512 tokens"]["value"] == pytest.approx(2.0)
 
 
+def test_llamacpp_rounds_report_each_figures_median() -> None:
+    """The comparison's rounds: each figure the median of the rounds that measured it, the
+    ratios of those medians like for like."""
+    from bench.llamacpp import medians, ratios
+
+    runs = [{"tg32": 90.0, "pp512": 10.0}, {"tg32": 120.0}, {"tg32": 100.0, "pp512": 30.0}]
+    assert medians(runs) == {"tg32": 100.0, "pp512": 20.0}
+    theirs = {"all_f32": {"tg32": 80.0, "pp512": float("nan"), "tg32@d512": 10.0}}
+    assert ratios({"all_f32": medians(runs)}, theirs) == {"all_f32": {"tg32": 1.25}}
+
+
+def test_streams_ratios_are_each_client_count_against_one() -> None:
+    from bench import summary
+
+    rep = {"model": "bench-192m", "tokens": 256,
+           "rows": [{"clients": 1, "aggregate_tok_s": 80.0},
+                    {"clients": 4, "aggregate_tok_s": 240.0},
+                    {"clients": 8, "aggregate_tok_s": 400.0}]}  # fmt: skip
+    rows = summary.streams(rep)
+    assert [r["ratio"] for r in rows] == [
+        "decode tok/s in all over HTTP, 4 SDK clients / 1",
+        "decode tok/s in all over HTTP, 8 SDK clients / 1",
+    ]
+    assert [r["value"] for r in rows] == [3.0, 5.0]
+
+
 METRICS = {
     "decode": {"streams": 8, "tokens_each": 128, "rounds": 2, "token_us": 2.0,
                "request_us": 12.0, "observer_share_of_token": 0.0002,

@@ -134,3 +134,57 @@ def test_a_kept_or_rejected_draft_leaves_the_rows_distribution(filters) -> None:
         assert np.abs(got - want).max() < 0.01, (d, got, want)
         if float(p[0]) == 0.0:
             assert not np.any(out == d)  # a filtered-out draft is never kept
+
+
+def _softmax64(z: np.ndarray) -> np.ndarray:
+    p = np.exp(z.astype(np.float64) - z.max())
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("min_p", [0.0, 0.3])
+def test_sampled_rows_follow_the_softmax(min_p: float) -> None:
+    """`sample_rows` at temperature 0.9 draws each token with its softmax probability
+    (float64), min-p dropping the tokens below its share of the best (40,000 draws, 4σ ≤
+    0.01)."""
+    z = np.asarray([2.0, 1.5, 1.0, 0.2, -0.5, -1.0, 0.7, 1.2], np.float32)
+    B = 40_000
+    rows = jnp.broadcast_to(jnp.asarray(z), (B, z.size))
+    args = (jnp.full(B, 0.9), jnp.zeros(B, jnp.int32), jnp.ones(B), jnp.full(B, min_p))
+    got = np.bincount(np.asarray(_sample_rows(rows, jax.random.split(jax.random.key(7), B),
+                                              *args)), minlength=z.size) / B  # fmt: skip
+    p = _softmax64(z / 0.9)
+    p = np.where(p >= min_p * p.max(), p, 0.0)
+    assert np.abs(got - p / p.sum()).max() < 0.01, (got, p / p.sum())
+    assert np.all(got[p == 0] == 0)
+
+
+def test_a_vocabulary_row_draws_across_its_blocks() -> None:
+    """A V4-sized row (129,280 tokens: `draw_rows`' blocks, the last one padded): likely
+    tokens in different blocks and the long tail together come out in their proportions."""
+    z = np.zeros(V, np.float32)
+    hot = [0, 1023, 1024, 64_000, V - 1]
+    z[hot] = [10.0, 10.5, 9.0, 11.0, 10.2]
+    p = _softmax64(z)
+    B, draws = 400, []
+    rows = jnp.broadcast_to(jnp.asarray(z), (B, V))
+    args = (jnp.ones(B), jnp.zeros(B, jnp.int32), jnp.ones(B), jnp.zeros(B))
+    for i in range(25):
+        draws.append(np.asarray(_sample_rows(rows, jax.random.split(jax.random.key(i), B),
+                                             *args)))  # fmt: skip
+    out = np.concatenate(draws)
+    got = np.array([np.mean(out == h) for h in hot] + [np.mean(~np.isin(out, hot))])
+    want = np.array([*p[hot], 1 - p[hot].sum()])
+    assert np.abs(got - want).max() < 0.025, (got, want)
+
+
+@pytest.mark.parametrize("only", [0, 1023, 1024, V - 1])
+def test_a_single_kept_token_is_always_drawn(only: int) -> None:
+    """Whatever the uniform draw, a row with one kept token draws it: the first or last of
+    a block, the vocabulary's last (in the padded block)."""
+    from ds4jax.sampling import draw_rows
+
+    B = 64
+    z = jnp.asarray(np.random.default_rng(only).standard_normal((B, V)).astype(np.float32))
+    mask = jnp.zeros((B, V), bool).at[:, only].set(True)
+    got = jax.jit(draw_rows)(jax.random.split(jax.random.key(only), B), z, mask)
+    assert np.all(np.asarray(got) == only)
