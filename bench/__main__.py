@@ -40,7 +40,7 @@ PARTS = ("prompt", "model", "continuation", "disk", "kernels", "sessions", "batc
          "streams", "speculative",
          "layers")  # fmt: skip
 
-#: `make bench` keeps to about 28 minutes on 2 cores (20 before the stall part's 8): the
+#: `make bench` keeps to about 40 minutes on 2 cores (28 before llama.cpp's rounds and streams): the
 #: model part caps itself (`--budget-min`) and the layer breakdown starts no case after this.
 LAYERS_DEADLINE_MIN = 18.0
 

@@ -103,8 +103,8 @@ def main(quick: bool = False) -> dict[str, Any]:
             {
                 "clients": n,
                 "aggregate_tok_s": statistics.median(r["aggregate_tok_s"] for r in mine),
-                "per_client_tok_s": statistics.median(
-                    x for r in mine for x in r["per_client_tok_s"]
+                "per_client_tok_s": round(
+                    statistics.median(x for r in mine for x in r["per_client_tok_s"]), 1
                 ),
             }
         )
