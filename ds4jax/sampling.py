@@ -156,13 +156,12 @@ def draw_rows(keys: jax.Array, z: jax.Array, mask: jax.Array) -> jax.Array:
     top = jnp.max(jnp.where(mask, z, -jnp.inf), axis=-1, keepdims=True)
     w = jnp.where(mask, jnp.exp(z - top), 0.0)
     w = jnp.pad(w, ((0, 0), (0, nb * DRAW_BLOCK - V))).reshape(B, nb, DRAW_BLOCK)
-    ends = jnp.cumsum(jnp.sum(w, axis=-1), axis=-1)  # [B, nb]: each block's running end
+    sums = jnp.sum(w, axis=-1)  # [B, nb]
+    ends = jnp.cumsum(sums, axis=-1)  # each block's running end
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
     target = u * ends[:, -1]
     # a target rounded up to a sum's end takes the last block / token with weight
-    blocks = jnp.arange(nb)
-    last_block = jnp.max(jnp.where(ends > jnp.pad(ends, ((0, 0), (1, 0)))[:, :-1], blocks, 0),
-                         axis=-1)  # fmt: skip
+    last_block = jnp.max(jnp.where(sums > 0, jnp.arange(nb), 0), axis=-1)
     b = jnp.minimum(jnp.sum(ends <= target[:, None], axis=-1), last_block)
     start = jnp.where(b > 0, jnp.take_along_axis(ends, jnp.maximum(b - 1, 0)[:, None], 1)[:, 0],
                       0.0)  # fmt: skip

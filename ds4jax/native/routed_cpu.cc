@@ -38,6 +38,12 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// This machine's cores (at least 1): the helpers' count, `parallel_for`'s and the GEMV's split.
+inline int64_t cores() {
+  static const int64_t n = std::max(1u, std::thread::hardware_concurrency());
+  return n;
+}
+
 // Helper threads of this library's own, for a call's items beside the calling thread. XLA's
 // intra-op pool wakes a sleeping thread for each call, and most of a decode step's calls take
 // 5–60 µs, so its thread joined them late. These threads spin (yielding the core to any
@@ -82,8 +88,7 @@ class Helpers {
   static constexpr auto SPIN = std::chrono::milliseconds(2);
 
   Helpers() {
-    const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
-    for (int64_t i = 0; i < std::min<int64_t>(cores - 1, 7); ++i)
+    for (int64_t i = 0; i < std::min<int64_t>(cores() - 1, 7); ++i)
       threads_.emplace_back([this] { loop(); });
     for (auto& t : threads_) t.detach();
   }
@@ -151,8 +156,7 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F f) {
     }
   };
   // the calling thread is one of the workers: one helper fewer than the cores
-  static const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
-  const int64_t others = std::min({pool.num_threads(), cores - 1, n - 1});
+  const int64_t others = std::min({pool.num_threads(), cores() - 1, n - 1});
   for (int64_t h = 0; h < others; ++h) {
     pool.Schedule([c, n, work] {
       if (c->next.load() < n) work();
@@ -515,9 +519,8 @@ ffi::Error RoutedFp4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 // token, B=4 12.47 → 11.40, B=8 17.09 → 15.84; the head alone 6.4–6.5 → 5.7–5.9 ms at B=1.
 constexpr int64_t SPANS = 8;
 inline int64_t gemv_rows(int64_t N) {
-  static const int64_t cores =
-      std::min<int64_t>(8, std::max(1u, std::thread::hardware_concurrency()));
-  return std::max<int64_t>(64, (N + SPANS * cores - 1) / (SPANS * cores));
+  const int64_t spans = SPANS * std::min<int64_t>(8, cores());  // the helpers: at most 7
+  return std::max<int64_t>(64, (N + spans - 1) / spans);
 }
 
 template <typename W>
