@@ -34,6 +34,14 @@ def linear(x: jax.Array, w: Any) -> jax.Array:
     return matmul(x, w)
 
 
+def linears(x: jax.Array, *ws: Any) -> list[jax.Array]:
+    """`[linear(x, w) for w in ws]`: a decode step's projections of one input as one native
+    call (`native.gemv_many`), the same products."""
+    if native.active() and native.gemv_many_supported(x, ws):
+        return native.gemv_many(x, ws)
+    return [linear(x, w) for w in ws]
+
+
 def rms(x: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
 
@@ -284,10 +292,18 @@ def attention(
     freqs = inv_freqs(cfg, compressed=kind != "sliding")
     valid = jnp.arange(T) < n_valid
 
-    qr = rmsw(linear(x, p["wq_a"]), p["q_norm"], cfg.rms_eps)
+    # every projection of x at once (one native call in a decode step): the query's and
+    # key's, and the compressors' of a compressed layer
+    ws = [p["wq_a"], p["wkv"]]
+    if kind != "sliding":
+        ws += [p["compressor"]["wkv"], p["compressor"]["wgate"]]
+    if kind == "csa":
+        ws += [p["indexer"]["compressor"]["wkv"], p["indexer"]["compressor"]["wgate"]]
+    x_q, x_kv, *x_comp = linears(x, *ws)
+    qr = rmsw(x_q, p["q_norm"], cfg.rms_eps)
     q = rms(linear(qr, p["wq_b"]).reshape(T, H, hd), cfg.rms_eps)
     q = apply_rope(q, positions, freqs)
-    kv = apply_rope(rmsw(linear(x, p["wkv"]), p["kv_norm"], cfg.rms_eps), positions, freqs)
+    kv = apply_rope(rmsw(x_kv, p["kv_norm"], cfg.rms_eps), positions, freqs)
     kv = _stored(cfg, _kv_fp8(cfg, kv))
 
     # raw window: ring keys (positions < n) then the chunk's own keys; a ring slot holds
@@ -334,8 +350,8 @@ def attention(
         r, c = cfg.compress_ratios[layer], (2 if kind == "csa" else 1)
         cp = p["compressor"]
         emit = None if emits is None else emits(r)
-        ckv = linear(x, cp["wkv"])
-        csc = linear(x, cp["wgate"]) + cp["ape"][jnp.mod(positions, r)]
+        ckv = x_comp[0]
+        csc = x_comp[1] + cp["ape"][jnp.mod(positions, r)]
         comp, st_kv, st_sc = compress(
             ckv, csc, ls.comp_kv, ls.comp_score, ls.comp, n, n_valid,
             ratio=r, lanes=c, dim=hd, emit=emit,
@@ -356,8 +372,8 @@ def attention(
             icp = ip["compressor"]
             ihd = cfg.index_head_dim
             idx, ist_kv, ist_sc = compress(
-                linear(x, icp["wkv"]),
-                linear(x, icp["wgate"]) + icp["ape"][jnp.mod(positions, r)],
+                x_comp[2],
+                x_comp[3] + icp["ape"][jnp.mod(positions, r)],
                 ls.idx_kv, ls.idx_score, ls.idx, n, n_valid,
                 ratio=r, lanes=2, dim=ihd, emit=emit,
                 finish=_finish_rows(cfg, icp["norm"], freqs, quant_sim.idxq,
@@ -525,7 +541,9 @@ def moe(
     """`rows`: the T tokens are one each of T sessions (a batched decode step), not a
     chunk of one sequence."""
     k = cfg.num_experts_per_tok
-    prob = jnp.sqrt(jax.nn.softplus(linear(x, p["gate"])))  # [T, E]
+    shared = ("shared_w1", "shared_w3") if cfg.num_shared_experts else ()
+    scores, *up = linears(x, p["gate"], *(p[n] for n in shared))  # one native call
+    prob = jnp.sqrt(jax.nn.softplus(scores))  # [T, E]
     if hashed:
         sel = p["tid2eid"][tokens]
     else:
@@ -537,7 +555,5 @@ def moe(
                              experts, x, sel, w)  # fmt: skip
     out = routed
     if cfg.num_shared_experts:
-        out = out + linear(
-            _swiglu(cfg, linear(x, p["shared_w1"]), linear(x, p["shared_w3"])), p["shared_w2"]
-        )
+        out = out + linear(_swiglu(cfg, *up), p["shared_w2"])
     return out

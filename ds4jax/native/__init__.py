@@ -8,7 +8,8 @@ work spread over the library's own helper threads (XLA's pool when another call 
 them): `routed` (the routed experts, f32 or FP4; twin: `model.layers._routed`), `gemv`
 (every f32 or bf16 linear of up to `GEMV_ROWS` tokens, the head included; twin: XLA's dot
 in `model.quantized.matmul`; `gemv_grouped`, the grouped output projection's, twin: its
-einsum), `argmax` (greedy selection; twin: `sampling.argmax`'s reductions), `attend` (a
+einsum; `gemv_many`, a layer's projections of one input in one call, twin: each
+`linear`), `argmax` (greedy selection; twin: `sampling.argmax`'s reductions), `attend` (a
 decode step's attention over a layer's key sources in place; twins:
 `pallas_kernels.sink_attention_reference` and `sparse_attention_reference`) and
 `index_top` (the CSA indexer's scores and top-k picks; twins:
@@ -59,6 +60,7 @@ TARGETS = (
     "ds4jax_routed_fp4",
     "ds4jax_gemv_f32",
     "ds4jax_gemv_grouped_f32",
+    "ds4jax_gemv_many_f32",
     "ds4jax_argmax_f32",
     "ds4jax_attend_f32",
     "ds4jax_attend_write_f32",
@@ -232,6 +234,19 @@ def gemv(x: jax.Array, w: jax.Array) -> jax.Array:
     per-row attention) the rows' tokens go to one call (`expand_dims`), not one each."""
     out = jax.ShapeDtypeStruct((*x.shape[:-1], w.shape[0]), x.dtype)
     return _ffi("ds4jax_gemv_f32", out, vmap_method="expand_dims")(x, w)
+
+
+def gemv_many_supported(x: jax.Array, ws: tuple[Any, ...]) -> bool:
+    """Whether `gemv_many` takes these operands: two or more weights `gemv` takes for x."""
+    return len(ws) > 1 and all(_gemv_operands(x, w, 1) for w in ws)
+
+
+def gemv_many(x: jax.Array, ws: tuple[jax.Array, ...]) -> list[jax.Array]:
+    """`[gemv(x, w) for w in ws]` in one call (its twin: `layers.linear` of each): a decode
+    layer's projections of one input — the attention's 2 to 6, the MoE's 3 — as one
+    call's work items, not one call each (per-call dispatch and thread start paid once)."""
+    outs = [jax.ShapeDtypeStruct((*x.shape[:-1], w.shape[0]), x.dtype) for w in ws]
+    return list(_ffi("ds4jax_gemv_many_f32", outs, vmap_method="expand_dims")(x, *ws))
 
 
 def gemv_grouped_supported(x: jax.Array, w: Any) -> bool:

@@ -523,24 +523,31 @@ inline int64_t gemv_rows(int64_t N) {
   return std::max<int64_t>(64, (N + spans - 1) / spans);
 }
 
+// Rows [r0, r1) of y = x · Wᵀ (see `gemv`).
+template <typename W>
+void gemv_span(const float* X, const W* Wt, int64_t T, int64_t N, int64_t K, float* Y,
+               int64_t G, int64_t r0, int64_t r1) {
+  const int64_t per = N / G;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t g = r / per;
+    if (r + AHEAD < N) prefetch(Wt + (r + AHEAD) * K, K * sizeof(W));
+    for (int64_t t0 = 0; t0 < T; t0 += NT) {
+      const int nt = std::min<int64_t>(NT, T - t0);
+      const float* xs[NT];
+      float y[NT];
+      for (int q = 0; q < nt; ++q) xs[q] = X + ((t0 + q) * G + g) * K;
+      dots(Wt + r * K, xs, nt, K, y);
+      for (int q = 0; q < nt; ++q) Y[(t0 + q) * N + r] = y[q];
+    }
+  }
+}
+
 template <typename W>
 void gemv(ffi::ThreadPool& pool, const float* X, const W* Wt, int64_t T, int64_t N, int64_t K,
           float* Y, int64_t G = 1) {
   const int64_t R = gemv_rows(N);
-  const int64_t per = N / G;
   parallel_for(pool, (N + R - 1) / R, [&](int64_t i) {
-    for (int64_t r = i * R; r < std::min(N, (i + 1) * R); ++r) {
-      const int64_t g = r / per;
-      if (r + AHEAD < N) prefetch(Wt + (r + AHEAD) * K, K * sizeof(W));
-      for (int64_t t0 = 0; t0 < T; t0 += NT) {
-        const int nt = std::min<int64_t>(NT, T - t0);
-        const float* xs[NT];
-        float y[NT];
-        for (int q = 0; q < nt; ++q) xs[q] = X + ((t0 + q) * G + g) * K;
-        dots(Wt + r * K, xs, nt, K, y);
-        for (int q = 0; q < nt; ++q) Y[(t0 + q) * N + r] = y[q];
-      }
-    }
+    gemv_span(X, Wt, T, N, K, Y, G, i * R, std::min(N, (i + 1) * R));
   });
 }
 
@@ -577,6 +584,55 @@ ffi::Error GemvF32(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
 ffi::Error GemvGroupedF32(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                           ffi::Result<ffi::AnyBuffer> out) {
   return RunGemv(pool, x, w, *out, true);
+}
+
+// y_m = x · W_mᵀ for several weights of one input (a layer's projections of its normed
+// input: the attention's query, key and compressor ones, the MoE's gate and shared
+// expert): one call whose work items span all of them, each row's products as `gemv`
+// forms them — where a decode layer made 2 to 6 calls and its MoE 3, with XLA's dispatch
+// and the threads' start paid for each.
+ffi::Error GemvManyF32(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs ws,
+                       ffi::RemainingRets outs) {
+  struct Part {
+    const void* w;
+    bool half;
+    int64_t N;
+    float* y;
+  };
+  if (ws.size() != outs.size() || x.element_type() != ffi::F32 || x.dimensions().size() < 1)
+    return ffi::Error::InvalidArgument("gemv_many: f32 x [..., K], one result per weight");
+  const int64_t K = x.dimensions().back(), T = K ? x.element_count() / K : 0;
+  std::vector<Part> parts;
+  int64_t rows = 0;
+  for (size_t m = 0; m < ws.size(); ++m) {
+    auto w = ws.get<ffi::AnyBuffer>(m);
+    auto y = outs.get<ffi::AnyBuffer>(m);
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("gemv_many: operands");
+    auto wd = w->dimensions();
+    const bool half = w->element_type() == ffi::BF16;
+    if (wd.size() < 2 || wd.back() != K || (w->element_type() != ffi::F32 && !half))
+      return ffi::Error::InvalidArgument("gemv_many: f32/bf16 weights [N, K]");
+    for (size_t i = 0; i + 2 < wd.size(); ++i)
+      if (wd[i] != 1) return ffi::Error::InvalidArgument("gemv_many: a batched weight");
+    const int64_t N = wd[wd.size() - 2];
+    parts.push_back({w->untyped_data(), half, N, (*y)->typed_data<float>()});
+    rows += N;
+  }
+  const int64_t R = gemv_rows(rows);
+  std::vector<std::pair<size_t, int64_t>> items;  // (weight, first row)
+  for (size_t m = 0; m < parts.size(); ++m)
+    for (int64_t r = 0; r < parts[m].N; r += R) items.emplace_back(m, r);
+  const float* X = x.typed_data<float>();
+  parallel_for(pool, items.size(), [&](int64_t i) {
+    const auto [m, r0] = items[i];
+    const Part& p = parts[m];
+    const int64_t r1 = std::min(p.N, r0 + R);
+    if (p.half)
+      gemv_span(X, static_cast<const bf16*>(p.w), T, p.N, K, p.y, 1, r0, r1);
+    else
+      gemv_span(X, static_cast<const float*>(p.w), T, p.N, K, p.y, 1, r0, r1);
+  });
+  return ffi::Error::Success();
 }
 
 // The index of each row's largest value, as jnp.argmax picks it: the first maximum, or the
@@ -1062,6 +1118,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_gemv_f32, GemvF32, AnyArgs<2>().Ret<ffi::An
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_gemv_grouped_f32, GemvGroupedF32,
                               AnyArgs<2>().Ret<ffi::AnyBuffer>());
+
+// x, w_1 … w_M → y_1 … y_M
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_gemv_many_f32, GemvManyF32,
+                              AnyArgs<1>().RemainingArgs().RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_routed_f32, RoutedF32,
                               ffi::Ffi::Bind()

@@ -416,6 +416,36 @@ def test_kernels_called_from_several_threads_at_once_give_their_results():
         assert all(pool.map(calls, range(12)))
 
 
+@pytest.mark.parametrize("T", [1, 4, native.GEMV_ROWS])
+def test_gemv_many_is_each_weights_gemv_bit_for_bit(T):
+    """A layer's projections of one input in one call: each result is its own `gemv`'s, bit
+    for bit, whatever the weights' sizes (one of more rows than a work item, one of a single
+    row, f32 and bf16 mixed); under `vmap` one call for every row and weight, and a row alone
+    equals it in the batch; with a weight it cannot take, `linears` runs each `linear`."""
+    rng = np.random.default_rng(T)
+    x = jnp.asarray(rng.standard_normal((T, 512), dtype=np.float32))
+    ws = tuple(jnp.asarray(rng.standard_normal((n, 512), dtype=np.float32))
+               for n in (256, 1, 2000, 128))  # fmt: skip
+    ws = (*ws[:3], ws[3].astype(jnp.bfloat16))
+    assert native.gemv_many_supported(x, ws)
+    got = jax.jit(native.gemv_many)(x, ws)
+    one = jax.jit(native.gemv)
+    assert [g.shape for g in got] == [(T, w.shape[0]) for w in ws]
+    for g, w in zip(got, ws, strict=True):
+        assert np.array_equal(np.asarray(g), np.asarray(one(x, w)))
+    rows = jnp.stack([x, 2 * x, -x])
+    many = jax.jit(jax.vmap(lambda r: layers.linears(r, *ws)))
+    assert many.lower(rows).as_text().count("ds4jax_gemv_many_f32") == 1
+    batched = many(rows)
+    for g, b in zip(got, batched, strict=True):
+        assert np.array_equal(np.asarray(b)[0], np.asarray(g))
+    q = (ws[0], ws[1].astype(jnp.float16))  # a weight no GEMV takes
+    assert not native.gemv_many_supported(x, q)
+    assert not native.gemv_many_supported(x, ws[:1])  # one weight: `gemv`
+    hlo = jax.jit(lambda x: layers.linears(x, *q)).lower(x).as_text()
+    assert "ds4jax_gemv_many_f32" not in hlo
+
+
 @pytest.mark.parametrize("T", [1, 3, native.GEMV_ROWS])
 def test_gemv_grouped_matches_the_einsum(T):
     """The attention's grouped output projection: each group's inputs through its own
