@@ -32,6 +32,11 @@ side in one run, on the same cores.
   drifts by more than the gaps measured (two single runs minutes apart gave ds4jax's decode
   after 8k 113.5 and 83.3 tok/s), and a drift then weighs on both engines alike. Each
   round's own ratios are kept beside them (`rounds`).
+* **Decode in pairs.** A round's two decodes from an empty cache ran a minute or more apart
+  and its all-F32 ratio still moved between 0.74× and 1.41× within one run, so after the
+  rounds each variant's empty-cache decode runs again in `PAIRS` pairs, llama-bench's `tg32`
+  and ds4jax's seconds apart (which goes first alternating), and the report adds the median
+  of the pairs' ratios (`decode_pairs`): a figure that a drift over minutes no longer moves.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ DECODE = 32
 THREADS = 2
 #: rounds of the whole comparison, the engines taking turns within each (`main`)
 ROUNDS = 3
+#: pairs of empty-cache decodes, the engines seconds apart (`decode_pairs`)
+PAIRS = 8
 #: which of ds4jax's figures each llama.cpp GGUF is set beside: the same weight bits per token
 OURS = {"all_f32": "ds4jax_tok_s", "as_converted": "ds4jax_fp4_experts_tok_s"}
 
@@ -277,6 +284,34 @@ def ds4jax_speed(cfg: Any, params: Any, sizes: tuple[int, ...]) -> dict[str, flo
     return out
 
 
+def ds4jax_decode(cfg: Any, params: Any) -> Any:
+    """A timer of ds4jax's greedy decode from an empty cache as `ds4jax_speed` measures it
+    (tok/s, the better of two runs of `DECODE` tokens), its state and programs made once."""
+    from bench.model import Ds4jax
+
+    engine = Ds4jax.__new__(Ds4jax)
+    engine.cfg, engine.params = cfg, params
+    tokens = np.random.default_rng(0).integers(2, cfg.vocab_size, 1)
+    _, state = engine.prefill(engine.state(1 + DECODE + 8), tokens)
+    engine.decode(state, 2)  # compile the step
+    return lambda: DECODE / min(engine.decode(state, DECODE) for _ in range(2))
+
+
+def decode_pairs(ours: Any, theirs: Any, pairs: int) -> dict[str, Any]:
+    """`pairs` pairs of (ours(), theirs()) tok/s, taken seconds apart, theirs first in the
+    even pairs and ours in the odd; with the median of the pairs' ratios."""
+    got = []
+    for i in range(pairs):
+        if i % 2:
+            a = ours()
+            b = theirs()
+        else:
+            b = theirs()
+            a = ours()
+        got.append((round(a, 2), round(b, 2)))
+    return {"pairs": got, "ratio": round(float(np.median([a / b for a, b in got])), 3)}
+
+
 def main(quick: bool = False, cfg_name: str = "bench-192m", seed: int = 0) -> dict:
     from bench.disk import use_compile_cache
     from bench.report import write_json
@@ -340,6 +375,14 @@ def main(quick: bool = False, cfg_name: str = "bench-192m", seed: int = 0) -> di
                       f"ds4jax {one['ds4jax'][name]}", flush=True)  # fmt: skip
             one["ratios"] = ratios(one["ds4jax"], one["llama_cpp"])
             rounds.append(one)
+        out["decode_pairs"] = {}
+        for name, gguf in ggufs.items():
+            pairs = decode_pairs(ds4jax_decode(same_math, ours_params[name]),
+                                 lambda gguf=gguf: llama_bench(tools["bench"], gguf, ())[
+                                     f"tg{DECODE}"],
+                                 2 if quick else PAIRS)  # fmt: skip
+            out["decode_pairs"][name] = pairs
+            print(f"decode in pairs {name} (ds4jax, llama.cpp tok/s): {pairs}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     out["rounds"] = rounds

@@ -9,6 +9,7 @@ are in the parts' CSVs and JSONs; this table picks the comparisons the issue ask
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -225,7 +226,7 @@ def responses(rep: Row) -> list[Row]:
 
 
 def llamacpp(rep: Row) -> list[Row]:
-    from bench.llamacpp import ours_for
+    from bench.llamacpp import DECODE, ours_for
 
     out = []
     for variant, theirs in rep.get("llama_cpp_tok_s", {}).items():
@@ -237,6 +238,12 @@ def llamacpp(rep: Row) -> list[Row]:
                 what += f" after {int(depth):,}" if depth else ""
                 out.append(ratio("llamacpp", f"ds4jax / llama.cpp ({variant}) tok/s", what,
                                  ours[k], v, "tok/s"))  # fmt: skip
+    for variant, paired in rep.get("decode_pairs", {}).items():
+        a, b = (statistics.median(p[i] for p in paired["pairs"]) for i in (0, 1))
+        row = ratio("llamacpp", f"ds4jax / llama.cpp ({variant}) tok/s",
+                    f"decode {DECODE} tokens, {len(paired['pairs'])} pairs seconds apart "
+                    "(median ratio)", a, b, "tok/s")  # fmt: skip
+        out.append({**row, "value": paired["ratio"]})
     return out
 
 

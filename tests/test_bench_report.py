@@ -231,6 +231,31 @@ def test_llamacpp_ratios_pair_decode_at_the_same_depth() -> None:
     assert rows[f32, "prefill 512 tokens"]["value"] == pytest.approx(2.0)
 
 
+def test_llamacpp_decode_pairs_alternate_and_report_the_median_ratio() -> None:
+    """Decode in pairs: the engines seconds apart, which goes first alternating; the figure
+    is the median of the pairs' ratios (not the ratio of medians), in the summary beside
+    the rounds' rows."""
+    from bench import summary
+    from bench.llamacpp import decode_pairs
+
+    calls: list[str] = []
+    ours, theirs = iter([100.0, 90.0, 120.0, 80.0]), iter([100.0, 100.0, 60.0, 100.0])
+
+    def timed(who: str, it: Any) -> Any:
+        return lambda: calls.append(who) or next(it)
+
+    got = decode_pairs(timed("ours", ours), timed("theirs", theirs), 4)
+    assert calls == ["theirs", "ours", "ours", "theirs", "theirs", "ours", "ours", "theirs"]
+    assert got["pairs"] == [(100.0, 100.0), (90.0, 100.0), (120.0, 60.0), (80.0, 100.0)]
+    assert got["ratio"] == pytest.approx(0.95)  # ratios 1.0, 0.9, 2.0, 0.8
+    rep = {**LLAMACPP, "decode_pairs": {"all_f32": got}}
+    rows = [r for r in summary.llamacpp(rep) if "pairs" in r["at"]]
+    assert [(r["at"], r["value"]) for r in rows] == [
+        ("decode 32 tokens, 4 pairs seconds apart (median ratio)", 0.95)
+    ]
+    assert (rows[0]["numerator"], rows[0]["denominator"]) == (95.0, 100.0)
+
+
 def test_llamacpp_rounds_report_each_figures_median() -> None:
     """The comparison's rounds: each figure the median of the rounds that measured it, the
     ratios of those medians like for like."""
