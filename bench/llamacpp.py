@@ -256,15 +256,36 @@ def ratios(ours: dict[str, dict[str, float]], theirs: dict[str, dict[str, float]
             for name, figures in theirs.items()}  # fmt: skip
 
 
+def _engine(cfg: Any, params: Any) -> Any:
+    """`bench.model`'s ds4jax on these params, without loading a model of its own."""
+    from bench.model import Ds4jax
+
+    engine = Ds4jax.__new__(Ds4jax)
+    engine.cfg, engine.params = cfg, params
+    return engine
+
+
+def decode_timer(engine: Any, state: Any) -> Any:
+    """A timer of greedy decode from `state` (left untouched): tok/s, the better of two runs
+    of `DECODE` tokens; the step compiled first."""
+    engine.decode(state, 2)
+    return lambda: DECODE / min(engine.decode(state, DECODE) for _ in range(2))
+
+
+def ds4jax_decode(cfg: Any, params: Any) -> Any:
+    """`decode_timer` from an empty cache (after one token, beside llama-bench's `tg32`)."""
+    engine = _engine(cfg, params)
+    tokens = np.random.default_rng(0).integers(2, cfg.vocab_size, 1)
+    _, state = engine.prefill(engine.state(1 + DECODE + 8), tokens)
+    return decode_timer(engine, state)
+
+
 def ds4jax_speed(cfg: Any, params: Any, sizes: tuple[int, ...]) -> dict[str, float]:
     """Prefill tok/s at each size (best of two after a compile run) and greedy decode
     tok/s over `DECODE` steps, as `bench.model` measures them: after one token (beside
     llama-bench's `tg32`, which starts from an empty cache) and after the largest prefill
     (beside its `tg32` at that depth, `-d`)."""
-    from bench.model import Ds4jax
-
-    engine = Ds4jax.__new__(Ds4jax)
-    engine.cfg, engine.params = cfg, params
+    engine = _engine(cfg, params)
     rng = np.random.default_rng(0)
     out: dict[str, float] = {}
     state = None
@@ -275,26 +296,10 @@ def ds4jax_speed(cfg: Any, params: Any, sizes: tuple[int, ...]) -> dict[str, flo
             dt, state = engine.prefill(engine.state(n + DECODE + 8), toks)
             times.append(dt)
         out[f"pp{n}"] = n / min(times[1:])
-    engine.decode(state, 2)  # compile the step
-    deep = DECODE / min(engine.decode(state, DECODE) for _ in range(2))
-    _, short = engine.prefill(engine.state(1 + DECODE + 8), rng.integers(2, cfg.vocab_size, 1))
-    engine.decode(short, 2)
-    out[f"tg{DECODE}"] = DECODE / min(engine.decode(short, DECODE) for _ in range(2))
+    deep = decode_timer(engine, state)()
+    out[f"tg{DECODE}"] = ds4jax_decode(cfg, params)()
     out[f"tg{DECODE}@d{sizes[-1]}"] = deep
     return out
-
-
-def ds4jax_decode(cfg: Any, params: Any) -> Any:
-    """A timer of ds4jax's greedy decode from an empty cache as `ds4jax_speed` measures it
-    (tok/s, the better of two runs of `DECODE` tokens), its state and programs made once."""
-    from bench.model import Ds4jax
-
-    engine = Ds4jax.__new__(Ds4jax)
-    engine.cfg, engine.params = cfg, params
-    tokens = np.random.default_rng(0).integers(2, cfg.vocab_size, 1)
-    _, state = engine.prefill(engine.state(1 + DECODE + 8), tokens)
-    engine.decode(state, 2)  # compile the step
-    return lambda: DECODE / min(engine.decode(state, DECODE) for _ in range(2))
 
 
 def decode_pairs(ours: Any, theirs: Any, pairs: int) -> dict[str, Any]:
