@@ -61,8 +61,10 @@ NUCLEUS_CANDIDATES = 1024
 # that provably holds the whole set (the common, peaked case) and otherwise falls back, for
 # the whole batch, to its twin `keep_rows_reference`, which sorts the vocabulary: the
 # definition, and the same filters as `sample` (top-k keeps every logit ≥ the k-th, top-p
-# the tokens whose higher-ranked mass is < top_p, min-p those ≥ min_p × the best, each on the
-# distribution the previous filters left).
+# the tokens whose higher-ranked mass is < top_p and the top token whatever top_p is — so
+# top_p 0, which every protocol accepts, is greedy rather than an empty set that would draw
+# token 0 —, min-p those ≥ min_p × the best, each on the distribution the previous filters
+# left).
 
 
 def _keep_sorted(z: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array):
@@ -72,7 +74,8 @@ def _keep_sorted(z: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Ar
     kth = jnp.where(top_k > 0, z[order][jnp.clip(top_k - 1, 0, V - 1)], -jnp.inf)
     z1 = jnp.where(z >= kth, z, -jnp.inf)
     ps = jax.nn.softmax(z1)[order]
-    before = jnp.zeros(V, bool).at[order].set((jnp.cumsum(ps) - ps) < top_p)
+    first = jnp.arange(V) == 0
+    before = jnp.zeros(V, bool).at[order].set(((jnp.cumsum(ps) - ps) < top_p) | first)
     keep = (z1 > -jnp.inf) & jnp.where(top_p < 1.0, before, True)
     p2 = jax.nn.softmax(jnp.where(keep, z, -jnp.inf))
     return keep & jnp.where(min_p > 0.0, p2 >= min_p * jnp.max(p2), True)
@@ -92,7 +95,9 @@ def _keep_candidates(z: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: ja
     p1 = jnp.exp(z1 - lse)  # the candidates' probabilities after top-k, exact when `exact`
     nucleus_on = top_p < 1.0
     exact &= ~nucleus_on | limited | (jnp.sum(p1) >= top_p)
-    keep = (z1 > -jnp.inf) & jnp.where(nucleus_on, (jnp.cumsum(p1) - p1) < top_p, True)
+    first = jnp.arange(C) == 0
+    nucleus = ((jnp.cumsum(p1) - p1) < top_p) | first
+    keep = (z1 > -jnp.inf) & jnp.where(nucleus_on, nucleus, True)
     restricted = limited | nucleus_on
     p2 = jax.nn.softmax(jnp.where(keep, z1, -jnp.inf))
     p2 = jnp.where(restricted, p2, p1)

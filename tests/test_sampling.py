@@ -40,8 +40,11 @@ def nucleus(z: jax.Array, top_p: float) -> jax.Array:
 
 
 def nucleus_by_sorting(z: np.ndarray, top_p: float) -> np.ndarray:
-    """The definition: keep while the mass ranked before a token is < top_p."""
-    return mass_before(z) < top_p
+    """The definition: keep while the mass ranked before a token is < top_p, and the top
+    token (the first by id among tied maxima) whatever top_p is."""
+    top = np.zeros(z.shape, bool)
+    top[np.argmax(z)] = True
+    return (mass_before(z) < top_p) | top
 
 
 @pytest.mark.parametrize("scale", [8.0, 3.0, 0.3])  # peaked … flat (whole-vocab fallback)
@@ -63,6 +66,25 @@ def test_both_paths_are_taken() -> None:
     flat = np.zeros(V, np.float32)  # every token ties: kept by id order, beyond the candidates
     kept = np.asarray(nucleus(jnp.asarray(flat), 0.5))
     assert kept.sum() > NUCLEUS_CANDIDATES and kept[: kept.sum()].all()
+
+
+@pytest.mark.parametrize("top_p", [0.0, 1e-30])
+def test_top_p_zero_keeps_the_top_token(top_p: float) -> None:
+    """Every protocol accepts top_p 0; it keeps the top token alone (greedy), among the
+    candidates and by sorting, and never an empty set (which drew token 0, BOS, each step)."""
+    z = np.random.default_rng(1).standard_normal(V).astype(np.float32)
+    z[777] = 9.0
+    kept = np.asarray(nucleus(jnp.asarray(z), top_p))
+    assert np.flatnonzero(kept).tolist() == [777]
+    flat = np.zeros(V, np.float32)  # every token ties
+    assert np.flatnonzero(np.asarray(nucleus(jnp.asarray(flat), top_p))).tolist() == [0]
+    zs = jnp.asarray(np.stack([z, np.roll(z, 5)]))
+    keys = jax.random.split(jax.random.key(0), 2)
+    ones, zeros = jnp.ones(2, jnp.float32), jnp.zeros(2, jnp.int32)
+    for top_k in (zeros, jnp.ones(2, jnp.int32)):
+        got = sample_rows(zs, keys, ones, top_k, jnp.full(2, top_p), jnp.zeros(2))
+        assert np.asarray(got).tolist() == [777, 782]
+    assert int(sample(jnp.asarray(z), jax.random.key(3), temperature=1.0, top_p=top_p)) == 777
 
 
 def test_sample_respects_top_k_top_p_and_min_p() -> None:

@@ -101,6 +101,15 @@ def probes(path: str) -> dict[str, tuple[int, bytes | dict[str, Any], str | None
             f"{msgs}[0].content[0]",
         ),
         "unknown-tool-call-id": (400, valid(path, **{msgs: ORPHAN[path]}), None),
+        # valid JSON (`"a\\ud800b"`) that is not Unicode text: no tokenizer takes it
+        "lone-surrogate": (
+            400,
+            valid(path, input="a\ud800b")
+            if path == RESPONSES
+            else valid(path, messages=[{"role": "user", "content": "a\ud800b"}]),
+            "input" if path == RESPONSES else "messages[0].content",
+        ),
+        "lone-surrogate-in-a-key": (400, valid(path, metadata={"k\udc00": "v"}), "metadata"),
         "tools-not-a-list": (400, valid(path, tools={"name": "x"}), "tools"),
         "unknown-tool-type": (
             400,
@@ -132,6 +141,14 @@ def probes(path: str) -> dict[str, tuple[int, bytes | dict[str, Any], str | None
     if path == MESSAGES:
         out["user-without-content"] = (400, valid(path, messages=[{"role": "user"}]),
                                        "messages[0].content")  # fmt: skip
+        out["lone-surrogate-in-a-tool-schema"] = (
+            400,
+            valid(
+                path,
+                tools=[{"name": "t", "input_schema": {"type": "object", "description": "\udfff"}}],
+            ),
+            "tools[0].input_schema.description",
+        )
     if path == CHAT:
         out |= {
             "user-without-content": (
@@ -214,6 +231,18 @@ async def test_the_probe_is_answered_4xx_in_each_apis_shape(
         assert err["message"].startswith(field), err
         if path in OPENAI:
             assert err["param"] is not None and err["param"].startswith(field), err
+
+
+async def test_count_tokens_refuses_a_lone_surrogate(raw: httpx2.AsyncClient) -> None:
+    def post(body: dict[str, Any]) -> Any:  # json.dumps writes "\\ud83d" escapes
+        return raw.post(COUNT, content=json.dumps(body).encode(),
+                        headers={"content-type": "application/json"})  # fmt: skip
+
+    body = valid(COUNT, system=[{"type": "text", "text": "\ud83d"}])
+    err = assert_error_shape(COUNT, await post(body), 400)
+    assert err["message"].startswith("system[0].text: holds a lone UTF-16 surrogate (\\ud83d)")
+    pair = valid(COUNT, system="\ud83d\ude00")  # a whole pair is one character: counted
+    assert (await post(pair)).status_code == 200
 
 
 @pytest.mark.parametrize("path", [MESSAGES, COUNT, RESPONSES, CHAT])

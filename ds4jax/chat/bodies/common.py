@@ -187,10 +187,47 @@ def path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
+def lone_surrogate(body: Any) -> tuple[str, str] | None:
+    """(JSON path, the escape) of the first string — value or key — holding a lone UTF-16
+    surrogate, else None. JSON's `\\ud800` escapes parse into such strings (a JavaScript
+    client's string cut inside a pair sends one); they are not Unicode text, so no tokenizer
+    takes them, and the request is refused naming the field, as Anthropic's API refuses it."""
+    stack: list[tuple[Any, tuple[int | str, ...]]] = [(body, ())]
+    while stack:
+        value, at = stack.pop()
+        if isinstance(value, dict):
+            for key, child in reversed(list(value.items())):
+                if (bad := _surrogate(key)) is not None:  # named by where it sits
+                    return path(at) or "request body", f"{bad} in a key"
+                stack.append((child, (*at, key)))
+        elif isinstance(value, list):
+            stack.extend((child, (*at, i)) for i, child in reversed(list(enumerate(value))))
+        elif (bad := _surrogate(value)) is not None:
+            return path(at) or "request body", bad
+    return None
+
+
+def _surrogate(value: Any) -> str | None:
+    if isinstance(value, str) and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            return f"\\u{ord(value[err.start]):04x}"
+    return None
+
+
 def validate(model: type[M], body: Any) -> M:
-    """`body` as `model`, or a `RequestError` naming the first bad field's path."""
+    """`body` as `model`, or a `RequestError` naming the first bad field's path (a lone
+    surrogate anywhere in it first: `lone_surrogate`)."""
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
+    if (bad := lone_surrogate(body)) is not None:
+        where, escape = bad
+        raise field_error(
+            where,
+            f"holds a lone UTF-16 surrogate ({escape}), which is not "
+            "Unicode text: send each surrogate pair whole",
+        )
     try:
         return model.model_validate(body)
     except ValidationError as err:
