@@ -66,18 +66,27 @@ RETRY_AFTER_S = 2
 
 
 def _err(
-    status: int, message: str, error_type: str | None = None, param: str | None = None
+    status: int,
+    message: str,
+    error_type: str | None = None,
+    param: str | None = None,
+    code: str | None = None,
+    fields: dict[str, Any] | None = None,
 ) -> Response:
     """An error in the shape of the protocol the request spoke (by its path). Overloaded
     (529, Anthropic's own status; 503 in OpenAI's shape) carries `retry-after`; OpenAI's
-    `param` is the JSON path of the field at fault."""
+    `param` is the JSON path of the field at fault, its `code` the error's where it has one,
+    and a failure of ours is its `server_error` (Anthropic's `api_error`). `fields`: more of
+    the error object, in either shape."""
     kind = error_type or protocol.ERROR_TYPES.get(status, "api_error")
     if request.path in OPENAI_PATHS:
         status = 503 if status == 529 else status
+        kind = "server_error" if kind == "api_error" else kind
         body: dict[str, Any] = {"error": {"message": message, "type": kind, "param": param,
-                                          "code": None}}  # fmt: skip
+                                          "code": code, **(fields or {})}}  # fmt: skip
     else:
         body = protocol.error_body(kind, message)
+        body["error"].update(fields or {})
     headers = {"retry-after": str(RETRY_AFTER_S)} if kind == "overloaded_error" else {}
     return Response(json.dumps(body), status=status, content_type="application/json",
                     headers=headers)  # fmt: skip
@@ -407,14 +416,14 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
 
 
 def _client_error(err: RequestError) -> Response:
-    return _err(err.status, err.message, err.error_type, err.param)
+    return _err(err.status, err.message, err.error_type, err.param, err.code, err.fields)
 
 
-def _failure(err: Exception) -> tuple[str, str]:
-    """(message, error type) of a failure after a stream started."""
+def _failure(err: Exception) -> tuple[str, str, str | None]:
+    """(message, error type, OpenAI's code) of a failure after a stream started."""
     if isinstance(err, RequestError):
-        return err.message, err.error_type
-    return f"generation failed: {type(err).__name__}", "api_error"
+        return err.message, err.error_type, err.code
+    return f"generation failed: {type(err).__name__}", "api_error", None
 
 
 def _status(err: Exception) -> int:

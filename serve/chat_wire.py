@@ -143,5 +143,7 @@ class ChatStream:
                              "usage": usage(result)}))  # fmt: skip
         return [*out, DONE]
 
-    def fail(self, message: str, error_type: str = "server_error") -> list[bytes]:
-        return [data({"error": {"message": message, "type": "server_error"}}), DONE]
+    def fail(self, message: str, error_type: str = "server_error",
+             code: str | None = None) -> list[bytes]:  # fmt: skip
+        kind = "server_error" if error_type == "api_error" else error_type
+        return [data({"error": {"message": message, "type": kind, "code": code}}), DONE]

@@ -235,5 +235,5 @@ class AnthropicStream:
         opened = self._open(result.cached, result.prefilled)
         return [*opened, *self.projector.finish(), *message_end(result)]
 
-    def fail(self, message: str, error_type: str) -> list[bytes]:
+    def fail(self, message: str, error_type: str, code: str | None = None) -> list[bytes]:
         return [error_event(error_type, message)]

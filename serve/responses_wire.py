@@ -288,8 +288,9 @@ class ResponsesStream:
     def decided(self, cached: int, prefilled: int) -> list[bytes]:
         return []  # the usage is in the final object only
 
-    def fail(self, message: str, error_type: str = "server_error") -> list[bytes]:
-        err = {"code": "server_error", "message": message}
+    def fail(self, message: str, error_type: str = "server_error",
+             code: str | None = None) -> list[bytes]:  # fmt: skip
+        err = {"code": code or "server_error", "message": message}
         obj = response_object(self.rid, self.req, "failed", self.done_items, None, self.created,
                               error=err)  # fmt: skip
         return [self._ev("response.failed", response=obj)]

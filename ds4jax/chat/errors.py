@@ -17,12 +17,18 @@ class RequestError(ValueError):
         status: int = 400,
         error_type: str = "invalid_request_error",
         param: str | None = None,
+        code: str | None = None,
+        fields: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.error_type = error_type
         self.param = param
+        #: OpenAI's `code` (`context_length_exceeded`: what agents test to compact a history)
+        self.code = code
+        #: more of the error object in both shapes (a too-long prompt's token counts)
+        self.fields = fields or {}
 
     def with_message(self, message: str) -> RequestError:
         """The same error (status, type, param) saying `message` instead."""
@@ -31,7 +37,8 @@ class RequestError(ValueError):
         return self
 
     def body(self) -> dict[str, Any]:
-        return {"type": "error", "error": {"type": self.error_type, "message": self.message}}
+        error = {"type": self.error_type, "message": self.message, **self.fields}
+        return {"type": "error", "error": error}
 
 
 def field_error(where: str, what: str) -> RequestError:

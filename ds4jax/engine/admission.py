@@ -29,7 +29,7 @@ from ds4jax.continuation.pool import Route, route
 from ds4jax.continuation.types import CacheSource, Decision, LiveFrontier, Rejection, source_label
 from ds4jax.decoding import Result, RowDecoder, TokenLogprob, ToolCallStarted
 from ds4jax.engine.placement import place_state
-from ds4jax.engine.requests import EngineError, Prepared
+from ds4jax.engine.requests import EngineError, Prepared, prompt_too_long
 from ds4jax.engine.ticket import Ticket
 from ds4jax.kvstore.host import HostState
 from ds4jax.kvstore.store import KVStore, SaveReason
@@ -195,13 +195,11 @@ class Admission:
         else:
             suffix = self.tokenizer.encode_segments(decision.suffix_segments or ())
         tokens = list(decision.base) + suffix
+        api = prepared.api
         if len(tokens) >= self.max_len:
-            raise EngineError(
-                400, f"prompt is too long: {len(tokens)} tokens, the context is {self.max_len}"
-            )
+            raise prompt_too_long(len(tokens), self.max_len, api)
         self._check_room(len(tokens), session.slot)
         base_state = self._fit(base_state, len(tokens))
-        api = prepared.api
         live_match = {CacheSource.LIVE_TOOL: "tool-output-ids"}
         if api != Api.ANTHROPIC:
             live_match[CacheSource.THINKING_VISIBLE] = "visible-prefix"

@@ -20,7 +20,7 @@ from ds4jax.chat.tokenizer import Tokenizer
 from ds4jax.continuation.evidence import attach_tool_memory, tool_tail, validate_tool_results
 from ds4jax.continuation.tool_memory import ToolMemory
 from ds4jax.continuation.types import RequestView
-from ds4jax.engine.requests import EngineError, Prepared, SamplingParams
+from ds4jax.engine.requests import EngineError, Prepared, SamplingParams, prompt_too_long
 from ds4jax.sampling import MAX_LOGPROBS
 
 
@@ -54,10 +54,7 @@ def prepare(
     segments = normalize(render(conversation))
     tokens = tuple(tokenizer.encode_segments(segments))
     if len(tokens) >= max_len:
-        raise EngineError(
-            400,
-            f"prompt is too long: {len(tokens)} tokens, the context is {max_len}",
-        )
+        raise prompt_too_long(len(tokens), max_len, api)
     tail_ids, tail = tool_tail(conversation)
     view = RequestView(segments, tokens, tail_ids, tail, requires_live, api)
     force = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
+from typing import Any
 
 from ds4jax.chat.conversation import Conversation
 from ds4jax.chat.errors import RequestError
@@ -21,8 +22,21 @@ class EngineError(RequestError):
     a 503/529 under pressure): the one client-error type, so each API renders it in its own
     shape as it does a body's `RequestError`; `status` is the HTTP status it maps to."""
 
-    def __init__(self, status: int, message: str, error_type: str = "invalid_request_error"):
-        super().__init__(message, status=status, error_type=error_type)
+    def __init__(self, status: int, message: str, error_type: str = "invalid_request_error",
+                 **kw: Any) -> None:  # fmt: skip
+        super().__init__(message, status=status, error_type=error_type, **kw)
+
+
+def prompt_too_long(tokens: int, max_len: int, api: str) -> EngineError:
+    """The 400 of a prompt that does not fit the context, as OpenAI words it for every API
+    (`code` `context_length_exceeded`, `param` the conversation's field) and with the counts
+    (`n_prompt_tokens`, `n_ctx`, as ds4 sends them): an agent tests the code, or Anthropic's
+    "prompt is too long", to compact its history and retry."""
+    return EngineError(
+        400, f"prompt is too long: {tokens} tokens, the context is {max_len}",
+        param="input" if api == Api.RESPONSES else "messages", code="context_length_exceeded",
+        fields={"n_prompt_tokens": tokens, "n_ctx": max_len},
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

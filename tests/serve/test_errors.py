@@ -420,6 +420,33 @@ async def test_failure_mid_stream_ends_with_an_error_event(
     await still_serving(raw)
 
 
+async def test_a_failure_of_ours_is_openais_server_error(
+    raw: httpx2.AsyncClient, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OpenAI's type for a server failure is `server_error` (Anthropic's `api_error`), in
+    the 500 and in a stream's last event alike."""
+
+    def boom(*_args: Any, **_kw: Any) -> Any:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine, "_decode_step", boom)
+    chat = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    resp = await raw.post("/v1/chat/completions", json=chat)
+    assert resp.status_code == 500 and resp.json()["error"]["type"] == "server_error", resp.text
+    resp = await raw.post("/v1/chat/completions", json={**chat, "stream": True})
+    chunks = [json.loads(ln[6:]) for ln in resp.text.splitlines()
+              if ln.startswith("data: {")]  # fmt: skip
+    assert chunks[-1]["error"]["type"] == "server_error", chunks[-1]
+    reply = {"model": "m", "max_output_tokens": 4, "input": "hi"}
+    resp = await raw.post("/v1/responses", json=reply)
+    assert resp.status_code == 500 and resp.json()["error"]["type"] == "server_error", resp.text
+    resp = await raw.post("/v1/responses", json={**reply, "stream": True})
+    failed = [d for e, d in sse_events(resp.text) if e == "response.failed"]
+    assert failed and failed[0]["response"]["error"]["code"] == "server_error", resp.text
+    monkeypatch.undo()
+    await still_serving(raw)
+
+
 async def test_loading_server_answers_503(engine: Engine, worker: EngineWorker) -> None:
     app = make_app(worker)
     app.server_config.state = "loading"  # type: ignore[attr-defined]

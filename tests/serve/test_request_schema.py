@@ -212,7 +212,7 @@ def assert_error_shape(path: str, resp: Any, status: int) -> dict[str, Any]:
     body = resp.json()
     if path in OPENAI:
         err = body["error"]
-        assert set(err) == {"message", "type", "param", "code"}, body
+        assert set(err) - {"n_prompt_tokens", "n_ctx"} == {"message", "type", "param", "code"}
         assert isinstance(err["message"], str) and err["type"], body
     else:
         assert body["type"] == "error" and set(body["error"]) >= {"type", "message"}, body
@@ -231,6 +231,23 @@ async def test_the_probe_is_answered_4xx_in_each_apis_shape(
         assert err["message"].startswith(field), err
         if path in OPENAI:
             assert err["param"] is not None and err["param"].startswith(field), err
+
+
+@pytest.mark.parametrize("path", [MESSAGES, RESPONSES, CHAT])
+async def test_a_prompt_past_the_context_says_so_as_agents_test_it(
+    raw: httpx2.AsyncClient, engine: Engine, path: str
+) -> None:
+    """Codex compacts on OpenAI's `context_length_exceeded`, Claude Code on Anthropic's
+    "prompt is too long": both, with the counts, in each API's shape."""
+    long = "word " * engine.max_len
+    body = (valid(path, input=long) if path == RESPONSES
+            else valid(path, messages=[{"role": "user", "content": long}]))  # fmt: skip
+    err = assert_error_shape(path, await raw.post(path, json=body), 400)
+    assert err["message"].startswith("prompt is too long: "), err
+    assert err["n_ctx"] == engine.max_len < err["n_prompt_tokens"], err
+    if path in OPENAI:
+        assert err["code"] == "context_length_exceeded", err
+        assert err["param"] == ("input" if path == RESPONSES else "messages"), err
 
 
 async def test_count_tokens_refuses_a_lone_surrogate(raw: httpx2.AsyncClient) -> None:
