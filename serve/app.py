@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -186,13 +187,18 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
     async def prometheus() -> Response:
         return Response(metrics.render(), content_type=CONTENT_TYPE_LATEST)
 
+    created = int(datetime.fromisoformat(config.created_at).timestamp())
+
     def model_obj(mid: str) -> dict[str, Any]:
-        return {"type": "model", "id": mid, "display_name": mid, "created_at": config.created_at}
+        """Anthropic's model object and OpenAI's in one: each SDK reads its own fields."""
+        return {"type": "model", "id": mid, "display_name": mid, "created_at": config.created_at,
+                "object": "model", "created": created, "owned_by": "ds4jax"}  # fmt: skip
 
     @app.get("/v1/models")
     async def models() -> Response:
         data = [model_obj(m) for m in model_ids()]
         body = {
+            "object": "list",
             "data": data,
             "has_more": False,
             "first_id": data[0]["id"],

@@ -361,3 +361,13 @@ async def test_fuzzed_responses_and_chat_bodies_never_yield_5xx(
             assert resp.text.rstrip().endswith("data: [DONE]")
         else:
             assert resp.json()["object"] in ("response", "chat.completion")
+
+
+async def test_models_in_openais_shape_too(oai: openai.AsyncOpenAI) -> None:
+    """`/v1/models` answers both SDKs: OpenAI's `object`, `created` (unix seconds) and
+    `owned_by` beside Anthropic's `type`, `display_name` and `created_at`."""
+    page = await oai.models.list()
+    assert [(m.id, m.object, m.owned_by) for m in page.data] == [(MODEL, "model", "ds4jax")]
+    assert isinstance(page.data[0].created, int) and page.data[0].created > 1.7e9
+    got = await oai.models.retrieve(MODEL)
+    assert got.id == MODEL and got.object == "model" and got.created == page.data[0].created
