@@ -159,6 +159,9 @@ class RowDecoder:
         self.sampled_eos = False
         #: a forced token `take` found planned where a burst had sampled: the next plan
         self.ahead: int | None = None
+        #: a request without tools (or with `tool_choice` none) whose model began a tool-call
+        #: block: the turn ended at its marker, the block shown to no one (`accept`)
+        self.block_dropped = False
         self.logprobs: list[TokenLogprob] | None = (
             None if prepared.sampling.logprobs is None else []
         )
@@ -269,6 +272,12 @@ class RowDecoder:
         if p.has_tools and self.parser.raw_dsml is not None:
             self.finish_reason = Finish.TOOL_USE
             return
+        if not p.has_tools and self.parser.in_block:
+            # no tool was offered, so no call is answered (a call to a name the client never
+            # declared would break it): the turn ends where the block begins, its text kept
+            self.block_dropped = True
+            self.finish_reason = Finish.END_TURN
+            return
         if p.single_tool_call and not self.closed_single and not self.queue:
             after = self.raw.rfind(specials.THINK_END) + 1 if p.thinking else 0
             if "</" + specials.DSML + "invoke>" in self.raw[after:]:
@@ -281,12 +290,13 @@ class RowDecoder:
         returns the request's result (the prompt fields are the engine's to fill)."""
         engine, p, finish = self.engine, self.prepared, self.finish_reason or Finish.MAX_TOKENS
         raw = self.raw
-        if finish != Finish.STOP_SEQUENCE:
+        if finish != Finish.STOP_SEQUENCE and not self.block_dropped:
             raw += self.utf8.decode(b"", final=True)
             if self.fed < len(raw):
                 self._push(self.parser.feed(raw[self.fed :]))
         self.raw = raw
-        self._push(self.parser.finish())
+        if not self.block_dropped:  # a dropped block's unfinished call is no one's
+            self._push(self.parser.finish())
 
         message = collect_events(self.events, thinking=p.thinking)
         message.raw_dsml = self.parser.raw_dsml
@@ -316,7 +326,12 @@ class RowDecoder:
                 and message.reasoning is not None
                 and not self.in_thinking
                 and (
-                    (finish == Finish.END_TURN and not p.has_tools and not message.tool_calls)
+                    (
+                        finish == Finish.END_TURN
+                        and not p.has_tools
+                        and not message.tool_calls
+                        and not self.block_dropped
+                    )  # its live tokens hold the marker too
                     or (p.api != Api.ANTHROPIC and finish in (Finish.END_TURN, Finish.TOOL_USE))
                 )
             ):

@@ -279,6 +279,12 @@ class DSMLStreamParser:
     def raw_dsml(self) -> str | None:
         return self._raw_dsml
 
+    @property
+    def in_block(self) -> bool:
+        """Inside a tool-call block: its marker consumed, its end not yet."""
+        return self._state in (_State.BLOCK, _State.PARAMS, _State.STRING, _State.JSON,
+                               _State.LOOSE)  # fmt: skip
+
     def feed(self, chunk: str | bytes) -> list[Event]:
         if self._finished:
             raise RuntimeError("feed() after finish()")

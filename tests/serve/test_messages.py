@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import httpx2
@@ -183,6 +184,31 @@ async def test_streamed_tool_use_is_valid_json_with_toolu_id_and_no_dsml_in_text
     assert json.loads("".join(partial)) == {"command": command}
     text = final.content[1].text
     assert "DSML" not in text and "｜" not in text and "<" not in text
+
+
+@pytest.mark.parametrize("offer", ["no tools", "tool_choice none"])
+async def test_without_tools_a_tool_call_block_ends_the_turn_unshown(
+    client: anthropic.AsyncAnthropic, raw: httpx2.AsyncClient, offer: str
+) -> None:
+    """No tool offered, none answered: a model that starts a tool-call block anyway ends its
+    turn there (`end_turn`), its text kept, no call to a name the client never declared
+    and no markup shown, streamed or not (ds4 parses it into a call even so)."""
+    kw: dict[str, Any] = dict(model=MODEL, max_tokens=200, messages=user("list the files"),
+                              extra_body=force(TURN + " Done."))  # fmt: skip
+    if offer == "tool_choice none":
+        kw |= dict(tools=TOOLS, tool_choice={"type": "none"})
+    msg = await client.messages.create(**kw)
+    assert [b.type for b in msg.content] == ["thinking", "text"], msg.content
+    assert msg.content[1].text.strip() == "Hello." and msg.stop_reason == "end_turn"
+    body = {**{k: v for k, v in kw.items() if k != "extra_body"}, **kw["extra_body"]}
+    resp = await raw.post("/v1/messages", json={**body, "stream": True})
+    events = sse_events(resp.text)
+    starts = [d["content_block"]["type"] for e, d in events if e == "content_block_start"]
+    assert starts == ["thinking", "text"]
+    text = "".join(d["delta"].get("text", "") for e, d in events if e == "content_block_delta")
+    assert text.strip() == "Hello." and "DSML" not in resp.text
+    delta = next(d for e, d in events if e == "message_delta")
+    assert delta["delta"]["stop_reason"] == "end_turn"
 
 
 async def test_non_stream_content_is_thinking_then_text_then_tool_use(
