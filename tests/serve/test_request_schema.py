@@ -71,6 +71,14 @@ ORPHAN = {
 }  # fmt: skip
 
 
+BAD_TOOL = {
+    MESSAGES: ({"tools": [{"name": 'a"b', "input_schema": {"type": "object"}}]}, "tools[0].name"),
+    CHAT: ({"tools": [{"type": "function", "function": {"name": "a\nb"}}]},
+           "tools[0].function.name"),
+    RESPONSES: ({"tools": [{"type": "function", "name": "a<b"}]}, "tools[0].name"),
+}  # fmt: skip
+
+
 def probes(path: str) -> dict[str, tuple[int, bytes | dict[str, Any], str | None]]:
     """name → (status, body, the field the error must name) for one API."""
     msgs = CONTENT_KEY[path]
@@ -110,6 +118,8 @@ def probes(path: str) -> dict[str, tuple[int, bytes | dict[str, Any], str | None
             "input" if path == RESPONSES else "messages[0].content",
         ),
         "lone-surrogate-in-a-key": (400, valid(path, metadata={"k\udc00": "v"}), "metadata"),
+        # a name the model writes inside `invoke name="…"` cannot hold what ends it
+        "tool-name-breaking-dsml": (400, valid(path, **BAD_TOOL[path][0]), BAD_TOOL[path][1]),
         "tools-not-a-list": (400, valid(path, tools={"name": "x"}), "tools"),
         "unknown-tool-type": (
             400,

@@ -21,6 +21,7 @@ from ds4jax.chat.bodies.common import (
     Other,
     Strings,
     Temperature,
+    ToolName,
     TopK,
     TopP,
     either,
@@ -169,7 +170,7 @@ Message = either(
 
 
 class Tool(Body):
-    name: NonEmpty
+    name: ToolName
     description: str | None = None
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Annotated, Any, TypeVar
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -50,6 +51,25 @@ def integer(**bounds: int) -> Any:
 
 Int = integer()
 NonEmpty = Annotated[str, Field(min_length=1)]
+
+#: what a tool's name may not hold: the model writes it inside a DSML attribute
+#: (`invoke name="…"`), where these end the value or the tag, or decode as entities
+_NAME_BREAKERS = frozenset('"<>&') | {chr(c) for c in (*range(32), 127)}
+
+
+def _tool_name(value: str) -> str:
+    if bad := sorted({c for c in value if c in _NAME_BREAKERS}):
+        shown = ", ".join(repr(c) for c in bad)
+        raise PydanticCustomError(
+            "tool_name", "a tool name may not hold {shown}: the model writes it inside a "
+            "DSML attribute, where it would not come back as sent", {"shown": shown},
+        )  # fmt: skip
+    return value
+
+
+#: a tool's name as a client declares or names it (Anthropic's and OpenAI's own APIs allow
+#: only `[a-zA-Z0-9_-]`; this refuses only what the model's format cannot carry)
+ToolName = Annotated[str, Field(min_length=1), AfterValidator(_tool_name)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(ge=0.0, le=1.0)]
 TopK = integer(ge=0)

@@ -30,6 +30,7 @@ from ds4jax.chat.bodies.common import (
     Other,
     Strings,
     Temperature,
+    ToolName,
     TopK,
     TopP,
     either,
@@ -186,7 +187,7 @@ ChatMessage = either(
 
 
 class FunctionDef(Body):
-    name: NonEmpty
+    name: ToolName
     description: str | None = None
     parameters: Schema | None = None
     strict: bool | None = None
@@ -351,7 +352,7 @@ class Namespace(Body):
     """Codex's tool namespace: its functions' names are `name + function name`."""
 
     type: Literal["namespace"]
-    name: str
+    name: ToolName
     tools: list[typed({"function": ResponsesFunction}, "must be a tool", other=Other)]  # type: ignore[valid-type]
 
 
