@@ -115,13 +115,10 @@ class Items:
         if m.content or not m.tool_calls:
             out.append(self.message(m.content))
         for call, cid in zip(m.tool_calls, result.tool_ids, strict=False):
-            out.append(
-                self.call(
-                    cid,
-                    call.name,
-                    arguments_json(call.arguments),
-                )
-            )
+            # a call cut short (max_output_tokens inside it) has arguments closed so they
+            # parse, but it is no call to run: `incomplete`, as the stream's item says
+            status = "completed" if call.complete else "incomplete"
+            out.append(self.call(cid, call.name, arguments_json(call.arguments), status))
         return out
 
 
@@ -212,7 +209,9 @@ class ResponsesStream:
                              delta=text, logprobs=[])]  # fmt: skip
         return [self._ev("response.function_call_arguments.delta", **self._where(), delta=text)]
 
-    def _close(self) -> list[bytes]:
+    def _close(self, call_status: str = "completed") -> list[bytes]:
+        """Ends the open item; a function call's status is `call_status` (`incomplete`: cut
+        short, its arguments closed so they parse, not to be run)."""
         item, text = self.open, self.text
         if item is None:
             return []
@@ -241,7 +240,7 @@ class ResponsesStream:
             out.append(self._ev("response.content_part.done", **where, content_index=0,
                                 part=done["content"][0]))  # fmt: skip
         else:
-            done = {**item, "status": "completed", "arguments": text}
+            done = {**item, "status": call_status, "arguments": text}
             out.append(self._ev("response.function_call_arguments.done", **where, arguments=text))
         done["id"] = item["id"]
         out.append(self._ev("response.output_item.done", output_index=len(self.done_items),
@@ -271,7 +270,7 @@ class ResponsesStream:
                 out += self._delta(ev.partial_json)
         elif isinstance(ev, ToolUseStop):
             if self.open is not None and self.open["type"] == "function_call":
-                out += self._close()
+                out += self._close("completed" if ev.complete else "incomplete")
         return out
 
     def finish(self, result: Result) -> list[bytes]:

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from quart import Quart
 
+from ds4jax.chat.segments import template
 from ds4jax.engine import Engine
 from serve.app import ServerConfig
 from serve.worker import EngineWorker
@@ -371,3 +372,28 @@ async def test_models_in_openais_shape_too(oai: openai.AsyncOpenAI) -> None:
     assert isinstance(page.data[0].created, int) and page.data[0].created > 1.7e9
     got = await oai.models.retrieve(MODEL)
     assert got.id == MODEL and got.object == "model" and got.created == page.data[0].created
+
+
+async def test_a_call_cut_by_max_output_tokens_is_an_incomplete_item(
+    oai: openai.AsyncOpenAI, engine: Engine
+) -> None:
+    """`max_output_tokens` ending inside a call: the response is `incomplete` and so is the
+    call's item (its arguments closed so they parse, but not a call to run), streamed or not."""
+    command = "echo one two three four five six seven eight nine ten eleven twelve"
+    text = "Plan.</think>" + DSML.replace(">ls<", f">{command}<")
+    cut = text.index("five")
+    limit = len(engine.tokenizer.encode_segments(template(text[:cut])))
+    kw = dict(model=MODEL, input=[ask("count")], tools=[FN], max_output_tokens=limit,
+              extra_body=force(text))  # fmt: skip
+    whole = await oai.responses.create(**kw)
+    events = [e async for e in await oai.responses.create(**kw, stream=True)]
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert events[-1].type == "response.incomplete"  # the SDK's stream helper wants `completed`
+    for response in (whole, events[-1].response):
+        assert response.status == "incomplete", response
+        call = response.output[-1]
+        assert call.type == "function_call" and call.status == "incomplete", call
+        assert json.loads(call.arguments)["command"].startswith("echo one two")
+    assert done[-1].type == "function_call" and done[-1].status == "incomplete"
+    full = await oai.responses.create(**{**kw, "max_output_tokens": 200})
+    assert full.status == "completed" and full.output[-1].status == "completed"
