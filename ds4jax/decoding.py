@@ -96,6 +96,8 @@ class Result:
     #: with `SamplingParams.logprobs`: one entry per token `output_tokens` counts, in order
     #: (a sampled EOS included), else None
     logprobs: list[TokenLogprob] | None = None
+    #: of `output_tokens`, those of the reasoning (through its `</think>`)
+    reasoning_tokens: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -352,7 +354,15 @@ class RowDecoder:
             stop_sequence=self.stop_hit,
             raw_text=raw,
             logprobs=self.logprobs,
+            reasoning_tokens=self._reasoning_tokens(),
         )
+
+    def _reasoning_tokens(self) -> int:
+        if not self.prepared.thinking:
+            return 0
+        if self.think_end in self.generated:
+            return self.generated.index(self.think_end) + 1
+        return len(self.generated)  # cut (or ended) inside the reasoning
 
 
 def visible_transcript(

@@ -43,6 +43,7 @@ def usage(result: Result) -> dict[str, Any]:
         "completion_tokens": result.output_tokens,
         "total_tokens": prompt + result.output_tokens,
         "prompt_tokens_details": {"cached_tokens": result.cached},
+        "completion_tokens_details": {"reasoning_tokens": result.reasoning_tokens},
     }
 
 

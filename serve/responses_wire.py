@@ -33,13 +33,14 @@ def new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
-def usage(cached: int, prefilled: int, output: int) -> dict[str, Any]:
+def usage(result: Result) -> dict[str, Any]:
+    cached, prompt, output = result.cached, result.prompt_tokens, result.output_tokens
     return {
-        "input_tokens": cached + prefilled,
+        "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": output,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": cached + prefilled + output,
+        "output_tokens_details": {"reasoning_tokens": result.reasoning_tokens},
+        "total_tokens": prompt + output,
     }
 
 
@@ -126,7 +127,7 @@ def final_response(
     rid: str, req: ResponsesRequest, result: Result, seal: Callable[[str], str], created: int
 ) -> dict[str, Any]:
     output = Items(req, seal).from_result(result)
-    use = usage(result.cached, result.prefilled, result.output_tokens)
+    use = usage(result)
     return response_object(rid, req, status_of(result), output, use, created)
 
 
@@ -279,7 +280,7 @@ class ResponsesStream:
             out += self._add(Items(self.req, self.seal).message("", "in_progress"))
             out += self._close()
         status = status_of(result)
-        use = usage(result.cached, result.prefilled, result.output_tokens)
+        use = usage(result)
         obj = response_object(self.rid, self.req, status, self.done_items, use, self.created)
         kind = "response.completed" if status == "completed" else "response.incomplete"
         return [*out, self._ev(kind, response=obj)]

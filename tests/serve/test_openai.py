@@ -397,3 +397,22 @@ async def test_a_call_cut_by_max_output_tokens_is_an_incomplete_item(
     assert done[-1].type == "function_call" and done[-1].status == "incomplete"
     full = await oai.responses.create(**{**kw, "max_output_tokens": 200})
     assert full.status == "completed" and full.output[-1].status == "completed"
+
+
+async def test_usage_counts_the_reasoning_tokens(oai: openai.AsyncOpenAI, engine: Engine) -> None:
+    """Of the output tokens, those of the reasoning through `</think>`: Responses'
+    `output_tokens_details.reasoning_tokens`, Chat's `completion_tokens_details`."""
+    text = "Two short words.</think>The answer."
+    reasoning = len(engine.tokenizer.encode_segments(template("Two short words.</think>")))
+    got = await oai.responses.create(model=MODEL, input=[ask("q")], extra_body=force(text))
+    assert got.usage.output_tokens_details.reasoning_tokens == reasoning
+    assert got.usage.output_tokens > reasoning
+    chat = await oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "q"}], extra_body=force(text)
+    )
+    assert chat.usage.completion_tokens_details.reasoning_tokens == reasoning
+    plain = await oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "q"}],
+        extra_body={"think": False, **force("The answer.")},
+    )  # fmt: skip
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0
