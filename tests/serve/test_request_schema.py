@@ -119,6 +119,11 @@ def probes(path: str) -> dict[str, tuple[int, bytes | dict[str, Any], str | None
         ),
         "lone-surrogate-in-a-key": (400, valid(path, metadata={"k\udc00": "v"}), "metadata"),
         # a name the model writes inside `invoke name="…"` cannot hold what ends it
+        "tool_choice-forcing-without-tools": (
+            400,
+            valid(path, tool_choice={"type": "any"} if path == MESSAGES else "required"),
+            "tool_choice",
+        ),
         "tool-name-breaking-dsml": (400, valid(path, **BAD_TOOL[path][0]), BAD_TOOL[path][1]),
         "tools-not-a-list": (400, valid(path, tools={"name": "x"}), "tools"),
         "unknown-tool-type": (

@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from ds4jax.chat.bodies.common import (
+    NO_TOOL_TO_FORCE,
     Body,
     MaxTokens,
     NonEmpty,
@@ -265,6 +266,8 @@ class MessagesBody(Body):
         choice = self.tool_choice
         if isinstance(choice, ToolChoiceTool) and choice.name not in seen:
             raise field_error("tool_choice.name", f"no tool named {choice.name!r}")
+        if isinstance(choice, ToolChoiceAny) and not seen:
+            raise field_error("tool_choice", NO_TOOL_TO_FORCE)
         return self
 
 

@@ -52,6 +52,9 @@ def integer(**bounds: int) -> Any:
 Int = integer()
 NonEmpty = Annotated[str, Field(min_length=1)]
 
+#: a `tool_choice` that forces a call (`any`, `required`) where no tool was sent
+NO_TOOL_TO_FORCE = "forces a tool call, but the request declares no tool to call"
+
 #: what a tool's name may not hold: the model writes it inside a DSML attribute
 #: (`invoke name="…"`), where these end the value or the tag, or decode as entities
 _NAME_BREAKERS = frozenset('"<>&') | {chr(c) for c in (*range(32), 127)}

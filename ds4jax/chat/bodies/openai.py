@@ -23,6 +23,7 @@ from pydantic_core import PydanticCustomError
 from ds4jax.chat.bodies.anthropic import Effort, Thinking
 from ds4jax.chat.bodies.common import (
     BAD_TAG,
+    NO_TOOL_TO_FORCE,
     Body,
     Int,
     MaxTokens,
@@ -132,6 +133,9 @@ class Sampling(Body):
         choice = self.tool_choice
         if isinstance(choice, FunctionChoice) and choice.tool not in names:
             raise field_error("tool_choice.name", f"no tool named {choice.tool!r}")
+        required = choice == "required" or getattr(choice, "type", None) == "required"
+        if required and not names:
+            raise field_error("tool_choice", NO_TOOL_TO_FORCE)
 
 
 # ---------------------------------------------------------------------- Chat Completions
