@@ -387,12 +387,14 @@ class DSMLStreamParser:
             self._i = k + len(dialect.marker)
             self._state = _State.BLOCK
             return True
-        if final:
-            self._emit_text(len(buf), TextDelta)
-            return False
         # Hold a possible marker and the whitespace before it: that whitespace is the block's
         # separator, never content.
         marker_at = _ws_start(buf, i, _held_start(buf, i, _MARKERS))
+        if final:
+            # a marker the turn ended inside (max_tokens cut `<｜DSML｜tool`) is markup begun,
+            # never text; a bare `<` may be text, and is shown
+            self._emit_text(marker_at if DSML in buf[marker_at:] else len(buf), TextDelta)
+            return False
         self._emit_text(min(marker_at, self._stop_hold()), TextDelta)
         return False
 

@@ -297,6 +297,18 @@ def test_tool_separator_whitespace_is_not_content() -> None:
         assert msg.raw_dsml == "\n\n\n\n" + dsml
 
 
+def test_a_marker_the_turn_ended_inside_is_not_text() -> None:
+    """max_tokens cutting `<｜DSML｜tool_calls>` short: the begun marker (and the separator
+    before it) is markup, never shown; a text that ends in a bare `<` keeps it."""
+    marker = block(invoke("ls", param("path", ".")))[: len("<｜DSML｜tool")]
+    for chunks in (["Checking.\n\n" + marker], list("Checking.\n\n" + marker)):
+        msg, events = folded(chunks, thinking=False)
+        assert msg.content == "Checking." and not msg.tool_calls, events
+        assert "DSML" not in "".join(shown_text(events))
+    for text in ("a < b and c <", "x\n\n<"):
+        assert folded([text], thinking=False)[0].content == text
+
+
 def test_reasoning_stream_holds_back_a_possible_think_close() -> None:
     per_feed, _ = stream(["We need to generate ", "a title<", "/think>Title"], thinking=True)
     assert per_feed[:3] == [
