@@ -28,7 +28,7 @@ from ds4jax.continuation.pool import Pool
 from ds4jax.continuation.tool_memory import ToolMemory
 from ds4jax.engine.admission import Admission
 from ds4jax.engine.paging import PAGED_START, Paging
-from ds4jax.engine.placement import place_batch, place_pages, place_state
+from ds4jax.engine.placement import on_mesh, place_batch, place_pages, place_state
 from ds4jax.engine.prepare import prepare, segments_of
 from ds4jax.engine.requests import Prepared, SamplingParams
 from ds4jax.engine.sessions import Sessions
@@ -291,7 +291,8 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
 
     def warm_up(self, logprobs: bool = False) -> None:
         """Compile every prefill chunk size and the batched step at every size up to
-        `max_batch` (before serving), on throwaway states: no session is touched. With
+        `max_batch` (before serving) — and, where bursts run, each size's burst and a row's
+        step back — on throwaway states: no session is touched. With
         `stall_bound`, each size's mixed step with the smallest chunk too (other chunk sizes
         and spans compile on first use, then come from the persistent cache). `logprobs`:
         each of those steps' variant that reports log-probabilities too (else the first
@@ -326,14 +327,25 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
                 grid = np.zeros((size, pages_for(self._batch_span)), np.int32)
                 variants = [(c, lp) for c in chunks[: 2 if self.stall_bound else 1]
                             for lp in ((False, True) if logprobs else (False,))]  # fmt: skip
+                sampling = (np.zeros((size, 2), np.uint32), np.zeros(size, np.float32),
+                            np.zeros(size, np.int32), np.ones(size, np.float32),
+                            np.zeros(size, np.float32))  # fmt: skip
                 for chunk, lp in variants:
                     for _ in range(2):  # the second call sees the step's own outputs
-                        scratch, *_ = self._step(
-                            scratch, grid, np.full(size, -1, np.int32),
-                            np.zeros((size, 2), np.uint32), np.zeros(size, np.float32),
-                            np.zeros(size, np.int32), np.ones(size, np.float32),
-                            np.zeros(size, np.float32), chunk=chunk, logprobs=lp,
+                        scratch, *_ = self._step(scratch, grid, np.full(size, -1, np.int32),
+                                                 *sampling, chunk=chunk, logprobs=lp)  # fmt: skip
+                if self.burst > 1 and self.pages is None and self.spec is None:
+                    # the burst (and a row's step back) a server decoding rows that only
+                    # sample runs: else six streams' first tokens wait out its compile at
+                    # each batch size (rows allowed nothing: nothing is written)
+                    with on_mesh(self.mesh):
+                        scratch, _, _, logits = batch_ops.burst(
+                            self.params, scratch, np.zeros(size, np.int32), *sampling,
+                            np.int32(self.tokenizer.eos_id), cfg=self.cfg, size=size,
+                            steps=self.burst,
                         )  # fmt: skip
+                        scratch = batch_ops.rewind_row(scratch, np.int32(0), np.int32(0),
+                                                       logits[0, 0])  # fmt: skip
             if self._rows_follow_steps:  # and the batch shrinking size by size
                 for size in (s for s in reversed(batch_ops.BATCH_SIZES) if s < self.max_batch):
                     scratch = batch_ops.with_rows(scratch, cfg=self.cfg, span=self._batch_span,
