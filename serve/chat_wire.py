@@ -106,10 +106,13 @@ class ChatStream:
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
         logprobs = logprobs_of(self.pending) if self.pending else None
         self.pending = []
-        return data({"id": self.cid, "object": "chat.completion.chunk", "created": self.created,
-                     "model": self.model,
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                  "logprobs": logprobs}]})  # fmt: skip
+        chunk = {"id": self.cid, "object": "chat.completion.chunk", "created": self.created,
+                 "model": self.model,
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                              "logprobs": logprobs}]}  # fmt: skip
+        if self.include_usage:  # OpenAI's: every chunk but the last says `usage: null`
+            chunk["usage"] = None
+        return data(chunk)
 
     def start(self, queued: bool = False, prompt_tokens: int = 0) -> list[bytes]:
         return [self._chunk({"role": "assistant", "content": ""})]

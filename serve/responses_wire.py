@@ -113,7 +113,8 @@ class Items:
         out = []
         if m.reasoning:
             out.append(self.reasoning(m.reasoning))
-        if m.content or not m.tool_calls:
+        # a message where there is text, or nothing else to answer with (as the stream has)
+        if m.content or not (m.reasoning or m.tool_calls):
             out.append(self.message(m.content))
         for call, cid in zip(m.tool_calls, result.tool_ids, strict=False):
             # a call cut short (max_output_tokens inside it) has arguments closed so they

@@ -229,6 +229,7 @@ async def test_chat_completions_tool_loop_stream_and_usage(
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage.prompt_tokens_details.cached_tokens == reused
+    assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])
     assert usage.prompt_tokens == reused + (usage.prompt_tokens - reused)  # cached + uncached
     assert_cold_equivalent(engine)
 
@@ -416,3 +417,20 @@ async def test_usage_counts_the_reasoning_tokens(oai: openai.AsyncOpenAI, engine
         extra_body={"think": False, **force("The answer.")},
     )  # fmt: skip
     assert plain.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+async def test_a_turn_cut_in_its_reasoning_has_the_same_items_streamed_or_not(
+    oai: openai.AsyncOpenAI,
+) -> None:
+    """Cut inside the reasoning: the reasoning item alone, in the created object and in the
+    stream's `response.incomplete` alike (the object had an empty message the stream had not)."""
+    kw = dict(model=MODEL, input=[ask("q")], max_output_tokens=3,
+              extra_body=force("one two three four five six</think>Answer."))  # fmt: skip
+    whole = await oai.responses.create(**kw)
+    events = [e async for e in await oai.responses.create(**kw, stream=True)]
+    assert events[-1].type == "response.incomplete"
+    assert (
+        [i.type for i in whole.output]
+        == ["reasoning"]
+        == [i.type for i in events[-1].response.output]
+    )

@@ -175,6 +175,11 @@ def probes(path: str) -> dict[str, tuple[int, bytes | dict[str, Any], str | None
             "n-2": (400, valid(path, n=2), "n"),
             "top_logprobs-99": (400, valid(path, logprobs=True, top_logprobs=99), "top_logprobs"),
             "top_logprobs-without-logprobs": (400, valid(path, top_logprobs=2), "top_logprobs"),
+            "stream_options-without-stream": (
+                400,
+                valid(path, stream_options={"include_usage": True}),
+                "stream_options",
+            ),
             "presence_penalty": (400, valid(path, presence_penalty=1.0), "presence_penalty"),
             "json_schema-format": (
                 400,

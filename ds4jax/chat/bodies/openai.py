@@ -254,6 +254,8 @@ class ChatBody(Sampling):
             raise field_error("logit_bias", "is not supported (only {})")
         if self.top_logprobs is not None and not self.logprobs:
             raise field_error("top_logprobs", "needs logprobs: true")
+        if self.stream_options is not None and not self.stream:
+            raise field_error("stream_options", "is only allowed with stream: true")
         for key in ("audio", "web_search_options"):
             if (self.model_extra or {}).get(key) is not None:
                 raise field_error(key, "is not supported")
