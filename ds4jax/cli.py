@@ -144,9 +144,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ds4jax.model.state import init_state
     from ds4jax.sampling import sample
 
+    if args.n < 1 or args.temperature < 0:
+        raise ValueError(f"-n {args.n} / --temperature {args.temperature}: at least 1 token, "
+                         "a temperature ≥ 0")  # fmt: skip
     cfg, params, tokenizer, place = _load_model(args)
     ids = _prompt_ids(args, cfg, tokenizer)
-    state = place(init_state(cfg, args.ctx or len(ids) + args.n + 1))
+    need = len(ids) + args.n + 1
+    if args.ctx is not None and args.ctx < need:
+        # a smaller state would wrap its compressed rows over each other: wrong tokens, silently
+        raise ValueError(f"--ctx {args.ctx} holds fewer than the prompt's {len(ids)} tokens, "
+                         f"the {args.n} to generate and one more ({need})")  # fmt: skip
+    state = place(init_state(cfg, args.ctx or need))
     t0 = time.perf_counter()
     state, _ = prefill(params, state, ids, cfg, progress=_progress)
     state.logits.block_until_ready()
@@ -325,7 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("convert", help="checkpoint (transformers/official/Orbax) → Orbax")
     sp.add_argument("src", help="checkpoint directory, named model or Hub repo id org/name")
     sp.add_argument("dst")
-    sp.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    sp.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="bfloat16",
+        help="the weights' dtype in the checkpoint written (default bfloat16)",
+    )
     sp.add_argument("--force", action="store_true", help="replace an existing params checkpoint")
     add_hub_options(sp)
     sp.set_defaults(func=cmd_convert)
@@ -359,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RequestError as err:
         print(json.dumps(err.body(), ensure_ascii=False), file=sys.stderr)
         return 1
-    except (FileNotFoundError, FileExistsError, ValueError) as err:
+    except (OSError, ValueError) as err:  # a path that is a directory, unreadable, missing…
         from ds4jax.weights.hub import HubError
 
         print(f"ds4jax {args.command}: {err}", file=sys.stderr)

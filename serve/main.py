@@ -17,7 +17,7 @@ from ds4jax.config import CONFIG_DIR
 from ds4jax.continuation.reasoning_seal import ReasoningSeal
 from ds4jax.engine import Engine
 from ds4jax.interleave import DEFAULT_STALL_BOUND
-from ds4jax.model.batch import BURST_STEPS
+from ds4jax.model.batch import BATCH_SIZES, BURST_STEPS
 from ds4jax.model.sharding import MESH_HELP
 from ds4jax.weights.options import add_attention_impl, add_hub_options, add_weights
 from serve import logs
@@ -117,6 +117,17 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
                     help="seconds between stats lines while there is work (0: none)")  # fmt: skip
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """The sizes no server can run with, refused before it reports ready."""
+    if args.sessions < 1:
+        raise SystemExit("ds4jax serve: --sessions must be at least 1")
+    if args.max_batch not in BATCH_SIZES:
+        raise SystemExit(f"ds4jax serve: --max-batch {args.max_batch}: one of "
+                         f"{', '.join(map(str, BATCH_SIZES))}")  # fmt: skip
+    if args.ctx < 2:  # a prompt and its answer: else every request is refused as too long
+        raise SystemExit(f"ds4jax serve: --ctx {args.ctx}: the context holds at least 2 tokens")
+
+
 def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
     from ds4jax.chat.tokenizer import load_tokenizer
     from ds4jax.model.state import capacity_bytes
@@ -154,10 +165,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
         if args.process_id == 0:  # the only process that touches the disk
             store = DiskStore(args.kv_disk_dir, fingerprint, cfg=cfg, max_len=args.ctx,
                               tokenizer=tokenizer, budget_mb=args.kv_disk_space_mb)  # fmt: skip
-    if args.sessions < 1:
-        raise SystemExit("ds4jax serve: --sessions must be at least 1")
-    if not 1 <= args.max_batch <= 8:
-        raise SystemExit("ds4jax serve: --max-batch must be between 1 and 8")
+    check_flags(args)
     per_device = max(device_bytes(params).values())
     banner += (f"; weights {args.weights}: {per_device / 2**20:.1f} MB per device; states "
                f"{cfg.state_dtype}")  # fmt: skip

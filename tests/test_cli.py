@@ -57,6 +57,10 @@ def test_render_reports_bad_requests_in_anthropic_shape(tmp_path: Path) -> None:
     assert out.returncode == 1 and b"not valid JSON" in out.stderr
     out = run("render", str(tmp_path / "missing.json"))
     assert out.returncode == 1 and b"missing.json" in out.stderr
+    for cmd in ("render", "count-tokens"):  # a directory: one line, no traceback
+        out = run(cmd, str(tmp_path))
+        assert out.returncode == 1 and out.stderr.count(b"\n") == 1, out.stderr
+        assert b"Is a directory" in out.stderr and b"Traceback" not in out.stderr
 
 
 def test_tokenize_prints_one_json_line_per_token() -> None:
@@ -184,3 +188,19 @@ def test_every_readme_command_parses() -> None:
             cli.build_parser().parse_args(words)
         except SystemExit as err:
             raise AssertionError(f"ds4jax {' '.join(words)}: refused") from err
+
+
+@pytest.mark.parametrize(("flag", "value", "says"), [
+    ("ctx", -1, "--ctx -1: the context holds at least 2 tokens"),
+    ("max_batch", 3, "--max-batch 3: one of 1, 2, 4, 8"),
+    ("sessions", 0, "--sessions must be at least 1"),
+])  # fmt: skip
+def test_serve_refuses_sizes_no_server_runs_with(flag: str, value: int, says: str) -> None:
+    """Refused before the server reports ready (`--ctx -1` served, then refused every request
+    as too long; `--max-batch 3` was raised to 4 unsaid)."""
+    from serve.main import check_flags
+
+    args = argparse.Namespace(**{"ctx": 8192, "max_batch": 8, "sessions": 4, flag: value})
+    with pytest.raises(SystemExit, match=says):
+        check_flags(args)
+    check_flags(argparse.Namespace(ctx=8192, max_batch=8, sessions=4))

@@ -56,3 +56,32 @@ def test_generate_streams_text_and_reports_prefill_progress() -> None:
     assert "prefill 2/2 tokens" in out.stderr
     assert "generated" in out.stderr
     assert out.stdout.endswith("\n") and "\ufffd" not in out.stdout
+
+
+def test_generate_refuses_a_context_its_tokens_do_not_fit() -> None:
+    """A state smaller than the prompt and its tokens wrapped its rows over each other and
+    printed wrong tokens, exit 0; now a one-line error, as for -n 0 or a negative temperature."""
+    for flags, says in (
+        (("--ctx", "8", "-n", "20"), "--ctx 8 holds fewer"),
+        (("-n", "0"), "-n 0"),
+        (("--temperature", "-1"), "temperature"),
+    ):
+        out = run("generate", "--config", "tiny", "-p", "Hello there", *flags)
+        assert out.returncode == 1 and says in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+
+
+def test_convert_keeps_the_models_own_tokenizer(tmp_path: Path) -> None:
+    """The demo model's SentencePiece vocabulary travels with its converted checkpoint, so
+    the copy generates as the original does (without it: the official V4 tokenizer, whose
+    ids fall outside the demo's vocabulary)."""
+    dst = tmp_path / "demo"
+    out = run("convert", "demo", str(dst), "--dtype", "float32")
+    assert out.returncode == 0, out.stderr
+    assert (dst / "demo.model").is_file() and (dst / "demo.vocab").is_file()
+    again = run("convert", "demo", str(dst))
+    assert again.returncode == 1 and "--force" in again.stderr
+    gens = [run("generate", "--model", m, "-p", "list the files", "-n", "6", "--chat")
+            for m in ("demo", str(dst))]  # fmt: skip
+    assert gens[0].returncode == 0 and gens[1].returncode == 0, gens[1].stderr
+    assert gens[0].stdout == gens[1].stdout

@@ -244,14 +244,24 @@ def convert(
     src: str | Path, dst: str | Path, *, dtype: Any = jnp.bfloat16, force: bool = False
 ) -> Path:
     """Read a checkpoint in any supported layout and write it as a params checkpoint at
-    `dst` (in `dtype`); returns `dst`. Silent: the CLI does the talking."""
+    `dst` (in `dtype`), with the source's own tokenizer files beside it (a model trained
+    with its own vocabulary, the demo's, is unusable without them); returns `dst`. Silent:
+    the CLI does the talking."""
     src_p, dst_p = Path(src).absolute(), Path(dst).absolute()
     if src_p == dst_p or src_p in dst_p.parents:
         raise ValueError(f"destination {dst_p} must lie outside the source {src_p}")
     if dst_p.exists() and not (force and _safe_to_replace(dst_p)):
-        raise FileExistsError(f"{dst_p} exists (force=True replaces only a params checkpoint)")
+        raise FileExistsError(f"{dst_p} exists (--force replaces only a params checkpoint)")
     cfg, params = load_any(src_p, dtype)
-    return save_params(params, cfg, dst_p, force=force)
+    out = save_params(params, cfg, dst_p, force=force)
+    for name in TOKENIZER_FILES:
+        for f in sorted(src_p.glob(name)):
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+#: what a checkpoint directory may hold of its tokenizer (`chat.tokenizer.load_tokenizer`)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "*.model", "*.vocab")
 
 
 def resolve_model_dir(
