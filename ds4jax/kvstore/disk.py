@@ -363,6 +363,8 @@ class DiskStore:
                     return
                 log.info("kv cache replaced incompatible file %s", old.path)
                 self._index.remove(old)
+            elif self._index.remove_damaged(key):
+                log.info("kv cache replaces the damaged checkpoint %s", self.directory / key)
             arrays = pack(state, n, self.cfg)
             meta: dict[str, Any] = {
                 "format": FORMAT,

@@ -140,9 +140,24 @@ class Index:
         """Delete a checkpoint: rename it out of sight first, so an interrupted deletion
         leaves a `.tmp-` directory (cleaned at startup), never a half checkpoint."""
         self.entries.pop(entry.key, None)
-        gone = self.directory / f"{TMP_PREFIX}del-{entry.key}-{secrets.token_hex(4)}"
+        self._delete(entry.key, entry.path)
+
+    def remove_damaged(self, key: str) -> bool:
+        """Delete the directory of `key` that `refresh` ignored as unreadable (a damaged
+        checkpoint: else its key could never be saved again, the save's rename blocked by
+        it); True when there was one."""
+        path = self.directory / key
+        names = {n for n in self._ignored if n.lower() == key}
+        if not names or not path.is_dir():
+            return False
+        self._ignored -= names
+        self._delete(key, path)
+        return True
+
+    def _delete(self, key: str, path: Path) -> None:
+        gone = self.directory / f"{TMP_PREFIX}del-{key}-{secrets.token_hex(4)}"
         try:
-            os.rename(entry.path, gone)
+            os.rename(path, gone)
         except FileNotFoundError:
             return
         shutil.rmtree(gone, ignore_errors=True)

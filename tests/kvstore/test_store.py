@@ -243,6 +243,22 @@ def test_broken_metadata_and_foreign_entries_are_ignored_not_served(tmp_path, cf
     assert (tmp_path / "notes.txt").exists() and (tmp_path / names[0]).exists()
 
 
+def test_a_damaged_checkpoint_is_replaced_by_the_next_save_of_its_text(tmp_path, cfg) -> None:
+    """A checkpoint whose metadata no longer reads is ignored at startup; the next save of
+    the same text replaces it (before: the save's rename failed on it every time, so that
+    conversation could never be saved again)."""
+    save(make_store(tmp_path, cfg), convo(SYSTEM, "hello"), 100, seed=1)
+    key = sha1_hex(join(convo(SYSTEM, "hello")).encode())
+    (tmp_path / key / "meta.json").write_text("{junk")
+    (tmp_path / ("f" * 40)).mkdir()  # no checkpoint of any text saved here: left alone
+    fresh = make_store(tmp_path, cfg)
+    assert fresh.lookup(convo(SYSTEM, "hello")) is None
+    save(fresh, convo(SYSTEM, "hello"), 100, seed=2)
+    assert fresh.lookup(convo(SYSTEM, "hello")).tokens == tokens_for(100, 2)
+    assert make_store(tmp_path, cfg).lookup(convo(SYSTEM, "hello")).tokens == tokens_for(100, 2)
+    assert (tmp_path / ("f" * 40)).is_dir()
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_a_corrupt_payload_raises_from_load_and_is_not_offered_again(
     tmp_path, cfg, caplog, damage
