@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from typing import Any
@@ -117,6 +118,21 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
                     help="seconds between stats lines while there is work (0: none)")  # fmt: skip
 
 
+def check_listen(host: str, port: int) -> None:
+    """Fails now, before the model loads, where the server could not listen (a port in use,
+    out of range, an unknown host): else the bind failed only after warm-up, behind a
+    "ready on" line."""
+    if not 0 <= port <= 65535:
+        raise SystemExit(f"ds4jax serve: --port {port}: a port is 0-65535")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as hypercorn binds
+            probe.bind(address)
+    except (OSError, OverflowError) as err:
+        raise SystemExit(f"ds4jax serve: cannot listen on {host}:{port}: {err}") from None
+
+
 def check_flags(args: argparse.Namespace) -> None:
     """The sizes no server can run with, refused before it reports ready."""
     if args.sessions < 1:
@@ -165,7 +181,6 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
         if args.process_id == 0:  # the only process that touches the disk
             store = DiskStore(args.kv_disk_dir, fingerprint, cfg=cfg, max_len=args.ctx,
                               tokenizer=tokenizer, budget_mb=args.kv_disk_space_mb)  # fmt: skip
-    check_flags(args)
     per_device = max(device_bytes(params).values())
     banner += (f"; weights {args.weights}: {per_device / 2**20:.1f} MB per device; states "
                f"{cfg.state_dtype}")  # fmt: skip
@@ -338,6 +353,9 @@ def serve(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     group = args.num_processes > 1
+    check_flags(args)
+    if not group or args.process_id == 0:  # the process that listens
+        check_listen(args.host, args.port)
     if group:
         if not args.coordinator or not 0 <= args.process_id < args.num_processes:
             raise SystemExit(
@@ -388,6 +406,8 @@ def serve(args: argparse.Namespace) -> int:
         server = asyncio.ensure_future(hypercorn_serve(app, hc, shutdown_trigger=stop.wait))
         print("ds4jax: compiling and warming up …", file=sys.stderr, flush=True)
         await loop.run_in_executor(None, engine.warm_up)
+        if server.done():  # it could not listen after all: its error, never "ready on"
+            await server
         config.state = "ready"
         stats = None
         if args.stats_interval > 0:

@@ -204,3 +204,23 @@ def test_serve_refuses_sizes_no_server_runs_with(flag: str, value: int, says: st
     with pytest.raises(SystemExit, match=says):
         check_flags(args)
     check_flags(argparse.Namespace(ctx=8192, max_batch=8, sessions=4))
+
+
+def test_serve_refuses_where_it_cannot_listen_before_loading() -> None:
+    """A port in use, out of range or an unknown host: refused at once (before: after the
+    model loaded and warmed up, behind a "ready on" line)."""
+    import socket
+
+    from serve.main import check_listen
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port}: .*in use"):
+            check_listen("127.0.0.1", port)
+    with pytest.raises(SystemExit, match="--port 99999: a port is 0-65535"):
+        check_listen("127.0.0.1", 99999)
+    with pytest.raises(SystemExit, match=r"cannot listen on no\.such\.host\.invalid"):
+        check_listen("no.such.host.invalid", 8000)
+    check_listen("127.0.0.1", 0)
