@@ -82,7 +82,7 @@ def _err(
     kind = error_type or protocol.ERROR_TYPES.get(status, "api_error")
     if request.path in OPENAI_PATHS:
         status = 503 if status == 529 else status
-        kind = "server_error" if kind == "api_error" else kind
+        kind = protocol.openai_type(kind)
         body: dict[str, Any] = {"error": {"message": message, "type": kind, "param": param,
                                           "code": code, **(fields or {})}}  # fmt: skip
     else:

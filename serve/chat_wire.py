@@ -21,6 +21,7 @@ from typing import Any
 from ds4jax.chat.kinds import Finish
 from ds4jax.chat.turn import TextDelta, ThinkingDelta, ToolInputDelta, ToolUseStart
 from ds4jax.decoding import Result, TokenLogprob, ToolCallStarted
+from serve.protocol import openai_type
 from serve.responses_wire import KEEPALIVE, arguments_json
 
 FINISH = {
@@ -149,5 +150,5 @@ class ChatStream:
 
     def fail(self, message: str, error_type: str = "server_error",
              code: str | None = None) -> list[bytes]:  # fmt: skip
-        kind = "server_error" if error_type == "api_error" else error_type
+        kind = openai_type(error_type)
         return [data({"error": {"message": message, "type": kind, "code": code}}), DONE]

@@ -52,6 +52,11 @@ ERROR_TYPES = {
 }
 
 
+def openai_type(error_type: str) -> str:
+    """An error type in OpenAI's words: a failure of ours is its `server_error`."""
+    return "server_error" if error_type == "api_error" else error_type
+
+
 def usage(cached: int, prefilled: int, output: int) -> dict[str, int]:
     return {
         "input_tokens": prefilled,

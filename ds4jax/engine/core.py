@@ -334,7 +334,7 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
                     for _ in range(2):  # the second call sees the step's own outputs
                         scratch, *_ = self._step(scratch, grid, np.full(size, -1, np.int32),
                                                  *sampling, chunk=chunk, logprobs=lp)  # fmt: skip
-                if self.burst > 1 and self.pages is None and self.spec is None:
+                if self._bursts_run:
                     # the burst (and a row's step back) a server decoding rows that only
                     # sample runs: else six streams' first tokens wait out its compile at
                     # each batch size (rows allowed nothing: nothing is written)

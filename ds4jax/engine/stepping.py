@@ -220,6 +220,12 @@ class Stepping:
                 self._chunk_done(filling, prompt, nxt[0])
         return size, 0 if nxt is None else nxt[1]
 
+    @property
+    def _bursts_run(self) -> bool:
+        """Whether this engine bursts at all (on, dense rows, no speculation): what warm-up
+        compiles the bursts for."""
+        return self.burst > 1 and self.pages is None and self.spec is None
+
     def _bursts(self, filling: Ticket | None, stepping: list[int], override: np.ndarray) -> bool:
         """Whether this step is a burst (`model.batch.burst`): on, dense rows that all
         sample, no prompt waiting or prefilling (it would wait the burst out), no
@@ -227,7 +233,7 @@ class Stepping:
         burst evaluates all its steps); under `stall_bound` once a plain step of this size
         was measured (a prompt that arrives rides in the next step, at a known cost)."""
         size = len(override)
-        return (self.burst > 1 and self.pages is None and self.spec is None and filling is None
+        return (self._bursts_run and filling is None
                 and self._prefilling is None and not self.waiting
                 and (not self.stall_bound or size in self.tick_costs.step_s)
                 and all(override[r] == SAMPLE for r in stepping)
