@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from ds4jax.chat.kinds import Api, Finish
 from ds4jax.continuation.types import CacheSource, Decision
 from ds4jax.decoding import Result
-from serve.worker import Cancelled
+from ds4jax.engine.requests import Cancelled
 
 # `*_created` samples double every series and no dashboard reads them (vLLM drops them too)
 prometheus_client.disable_created_metrics()

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from ds4jax.continuation.types import Decision
 from ds4jax.engine import Engine, Prepared
+from ds4jax.engine.requests import Cancelled
 from ds4jax.engine.ticket import Ticket
 
 log = logging.getLogger("ds4jax.serve")
@@ -35,10 +36,6 @@ log = logging.getLogger("ds4jax.serve")
 
 class Overloaded(RuntimeError):
     pass
-
-
-class Cancelled(RuntimeError):
-    """A job whose client left while it was still queued: never handed to the engine."""
 
 
 @dataclass
@@ -181,7 +178,8 @@ class EngineWorker:
                 log.exception("observer %s failed", what)
 
     def _finished(self, job: Job, ticket: Ticket | None) -> None:
-        """`ticket` None: the job was cancelled before it started."""
+        """`ticket` None: the job was cancelled before the engine had it; a ticket that
+        failed `Cancelled`: before the engine routed it. Either way its client is gone."""
         job.finished = time.perf_counter()
         if ticket is None:
             result: Any = Cancelled("the client went away while the request was queued")
@@ -199,8 +197,8 @@ class EngineWorker:
                 hook(job, result)
             except Exception:  # a trace writer must never take the worker down
                 pass
-        if ticket is not None:  # an error is reported to the client; the worker lives on
-            job.post("error" if ticket.error is not None else "done", result)
+        if not isinstance(result, Cancelled):  # an error is reported to the client; the
+            job.post("error" if ticket.error is not None else "done", result)  # worker lives on
 
     def _loop(self) -> None:
         while True:

@@ -10,7 +10,9 @@ conditions per row (`decoding.RowDecoder`) and events through the streaming DSML
 parser → updates that session's frontier and bindings → drops what the state budget no
 longer holds (`pool.evictions`, saved to disk first when a store is configured). A live
 frontier is replaced, never mutated, and only after the step that produced it finished; a
-cancelled or failed request leaves a consistent frontier (the last evaluated token). Fork
+cancelled or failed request leaves a consistent frontier (the last evaluated token); one
+cancelled before it had a row replaces no session (dropped unrouted while it waited, or
+its prefilled prefix kept as a fork point). Fork
 points hold prompt ends only, never a state that would paper over a tool-id mismatch.
 
 With a page pool (`paged_pages`, `serve --paged`) retained frontiers are page tables and

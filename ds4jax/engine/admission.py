@@ -22,14 +22,14 @@ import jax
 import numpy as np
 
 from ds4jax.chat import specials
-from ds4jax.chat.kinds import Api
+from ds4jax.chat.kinds import Api, Finish
 from ds4jax.chat.segments import Segment, normalize
-from ds4jax.chat.turn import Event
+from ds4jax.chat.turn import Event, ParsedMessage
 from ds4jax.continuation.pool import Route, route
 from ds4jax.continuation.types import CacheSource, Decision, LiveFrontier, Rejection, source_label
 from ds4jax.decoding import Result, RowDecoder, TokenLogprob, ToolCallStarted
 from ds4jax.engine.placement import place_state
-from ds4jax.engine.requests import EngineError, Prepared, prompt_too_long
+from ds4jax.engine.requests import Cancelled, EngineError, Prepared, prompt_too_long
 from ds4jax.engine.ticket import Ticket
 from ds4jax.kvstore.host import HostState
 from ds4jax.kvstore.store import KVStore, SaveReason
@@ -140,6 +140,48 @@ class Admission:
             raise ticket.error
         assert ticket.result is not None
         return ticket.result
+
+    def _drop_withdrawn(self) -> None:
+        """Requests whose caller left while they waited end here, unrouted: no slot is
+        chosen, no session displaced, nothing prefilled for a client that is gone."""
+        gone = [t for t in self.waiting if t.withdrawn]
+        if not gone:
+            return
+        with self._state_lock:
+            for t in gone:
+                self.waiting.remove(t)
+        for t in gone:
+            t.fail(Cancelled("the client went away while the request was queued"))
+
+    def _withdraw(self, ticket: Ticket) -> None:
+        """Its caller left while its prompt prefilled: the prefill stops at this chunk
+        boundary. The session its route would replace keeps its live frontier (that is
+        written only at the prompt's end); the prefix evaluated so far is kept as a fork
+        point, so a client that timed out on a long prompt and sends it again continues
+        from there (`route`'s fork-point path) instead of starting over."""
+        self._prefilling = None
+        done = ticket.done_tokens
+        if done > len(ticket.decision.base):
+            ids = tuple(ticket.tokens[:done])
+            paged = ticket.base_paged
+            on_pages = self.pages is not None and isinstance(paged, PagedFrontier)
+            shard = self.pages.pool.table_shard(paged.table) if on_pages else 0
+            kept = self._keep(ticket.state, ids, paged, shard)
+            with self._state_lock:
+                self.pool.retain(
+                    LiveFrontier(kept, ids, normalize(self.segments_of(ids))), ticket.session.slot
+                )
+            self._enforce_budget(None)
+        log.info("prefill withdrawn at %d of %d tokens: the client went away", done,
+                 len(ticket.tokens))  # fmt: skip
+        routed, decision = ticket.routed, ticket.decision
+        ticket.succeed(Result(
+            source=decision.source, cached=decision.cached, prefilled=done - len(decision.base),
+            output_tokens=0, finish=Finish.CANCELLED, message=ParsedMessage(reasoning=None),
+            tool_ids=[], prefill_seconds=time.perf_counter() - ticket.t0,
+            session=ticket.session.slot, forked_from=routed.fork.owner if routed.fork else None,
+            restored=ticket.restored,
+        ))  # fmt: skip
 
     def _admit(self) -> None:
         while self.waiting and self._free_row() is not None:

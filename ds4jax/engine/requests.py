@@ -1,5 +1,6 @@
 """The engine's request types: what a request is once accepted (`Prepared`), how its rows
-sample (`SamplingParams`), and how one is refused (`EngineError`).
+sample (`SamplingParams`), how one is refused (`EngineError`), and how one withdrawn before
+it started ends (`Cancelled`).
 
 At the bottom of the package, importing none of it: `decoding` names `Prepared` from here,
 and the engine imports `decoding`, so the types they share cannot live beside `Engine`.
@@ -25,6 +26,11 @@ class EngineError(RequestError):
     def __init__(self, status: int, message: str, error_type: str = "invalid_request_error",
                  **kw: Any) -> None:  # fmt: skip
         super().__init__(message, status=status, error_type=error_type, **kw)
+
+
+class Cancelled(RuntimeError):
+    """A request whose caller withdrew it (its client left) while it still waited: it was
+    never routed, so no slot was chosen, no session displaced and nothing prefilled."""
 
 
 def prompt_too_long(tokens: int, max_len: int, api: str) -> EngineError:

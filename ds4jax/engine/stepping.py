@@ -73,6 +73,9 @@ class Stepping:
         first. Otherwise the chunk is a program of its own before the step, in whole chunks
         (`limit`: the largest size). A group's followers are handed the leader's `limit`."""
         with self._lock:
+            self._drop_withdrawn()
+            if self._prefilling is not None and self._prefilling.withdrawn:
+                self._withdraw(self._prefilling)
             if self._prefilling is None:
                 self._admit()
             size = self._step_size()

@@ -55,6 +55,11 @@ class Ticket:
     #: where its base state came back from before continuing: "host" (`kvstore.host`)
     restored: str | None = None
 
+    @property
+    def withdrawn(self) -> bool:
+        """Its caller cancelled it (the client left)."""
+        return self.cancel is not None and self.cancel.is_set()
+
     def succeed(self, result: Result) -> None:
         self.result = result
         self._end()

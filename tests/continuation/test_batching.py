@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from ds4jax.chat.anthropic import parse_messages_request
 from ds4jax.continuation.types import CacheSource
 from ds4jax.engine import Engine, SamplingParams
+from ds4jax.engine.requests import Cancelled
 from ds4jax.engine.ticket import Ticket
 from ds4jax.interleave import chunk_limit
 from tests.continuation.conftest import TOOLS, forced, like, tool_call_text
@@ -197,6 +198,61 @@ def test_a_cancelled_row_leaves_and_the_others_go_on(batch_engine) -> None:
     assert np.abs(engine.logits_for(live.tokens) - np.asarray(live.state.logits)).max() <= 1e-5
 
 
+def test_a_request_withdrawn_while_it_waits_is_never_routed(_engine) -> None:
+    """Its client left while every row was busy: when a row frees it is dropped, not
+    routed into a slot — no session's live frontier is replaced for a client that is gone
+    (before, it displaced the idle session, prefilled its whole prompt, then ended)."""
+    engine = like(_engine, sessions=2, fork_points=True, max_batch=1)
+    a = engine.run(prepared(engine, "Name three rivers.", 4))
+    b = engine.submit(prepared(engine, "Count to five.", 8))
+    while b.decoder is None:
+        engine.tick()
+    cancel = threading.Event()
+    c = engine.submit(prepared(engine, "Say many words. " * 20, 8), cancel=cancel)
+    engine.tick()
+    assert c.routed is None  # waiting for the one row
+    cancel.set()
+    while engine.busy:
+        engine.tick()
+    assert isinstance(c.error, Cancelled) and c.routed is None and c.finished.is_set()
+    lives = {s.slot: s.live for s in engine.pool.sessions}
+    assert lives[a.session] is not None and lives[b.result.session] is not None
+    assert a.session != b.result.session
+    b_text = engine.segments_of(lives[b.result.session].tokens)
+    assert "Count to five." in "".join(seg.text for seg in b_text)
+    assert len(engine.pool.forks) == 2  # the two prompt ends; nothing of c's
+
+
+def test_a_prefill_withdrawn_keeps_its_prefix_as_a_fork_point(_engine) -> None:
+    """Its client left while its prompt prefilled: the prefill stops at the next chunk,
+    the session the route would replace keeps its live frontier, and the prefix evaluated
+    so far is a fork point a retry of the same request continues from."""
+    engine = like(_engine, sessions=1, fork_points=True, max_batch=1)
+    long_text = "The engine keeps the sampled state as the truth. " * 12
+    solo = engine.run(prepared(engine, long_text, 6))
+    engine.reset()
+    a = engine.run(prepared(engine, "Name three rivers.", 4))
+    a_live = engine.pool.sessions[a.session].live
+    cancel = threading.Event()
+    c = engine.submit(prepared(engine, long_text, 6), cancel=cancel)
+    engine.tick()  # routed (into a's slot, the only one) and its first chunk evaluated
+    assert c.routed is not None and 0 < c.done_tokens < len(c.tokens)
+    done = c.done_tokens
+    cancel.set()
+    while engine.busy:
+        engine.tick()
+    got = c.result
+    assert c.error is None and c.decoder is None  # it never took a row
+    assert got.finish == "cancelled" and got.output_tokens == 0 and got.prefilled == done
+    assert engine.pool.sessions[a.session].live is a_live  # not displaced
+    (point,) = [f for f in engine.pool.forks if f.frontier.tokens == tuple(c.tokens[:done])]
+    cold = engine.logits_for(point.frontier.tokens)
+    assert np.abs(cold - np.asarray(point.frontier.state.logits)).max() <= 1e-5
+    retry = engine.run(prepared(engine, long_text, 6))
+    assert retry.source == CacheSource.FORK and retry.cached == done
+    assert retry.raw_text == solo.raw_text and retry.output_tokens == solo.output_tokens
+
+
 def ls_result_turn(body: dict[str, Any], tid: str) -> dict[str, Any]:
     """`body` (whose turn called `bash ls`, forced from `tool_call_text("ls")`) followed by
     that call as the client replays it and its result: the tool-result turn."""
@@ -293,7 +349,13 @@ def test_random_arrivals_cancellations_and_stops_equal_solo_runs(batch_engine, r
         assert active_rows(engine) <= 4
     for i in range(len(reqs)):
         got, (solo, solo_tokens) = tickets[i].result, solo_of[i]
+        if isinstance(tickets[i].error, Cancelled):  # withdrawn before it was routed
+            assert tickets[i].routed is None and reqs[i]["cancel"] is not None
+            continue
         assert tickets[i].error is None
+        if tickets[i].decoder is None:  # withdrawn while its prompt prefilled
+            assert got.finish == "cancelled" and got.output_tokens == 0
+            continue
         live = engine.pool.sessions[got.session].live
         if got.finish == "cancelled":
             assert solo.raw_text.startswith(got.raw_text)
