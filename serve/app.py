@@ -123,11 +123,14 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
 
     @app.after_request
     async def cors(resp: Response) -> Response:
-        if resp.status_code >= 400:
+        if resp.status_code >= 400 and request.path != "/health":  # a probe's 503 refuses no one
             metrics.rejected(resp.status_code)
         if config.cors:
             resp.headers["Access-Control-Allow-Origin"] = "*"
-            resp.headers["Access-Control-Allow-Headers"] = "*"
+            # the preflight's own list: `*` never covers Authorization (the Fetch spec), so
+            # a browser client sending a Bearer key would fail its preflight
+            asked = request.headers.get("Access-Control-Request-Headers")
+            resp.headers["Access-Control-Allow-Headers"] = asked or "*"
             resp.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
         return resp
 
@@ -429,6 +432,8 @@ def _failure(err: Exception) -> tuple[str, str, str | None]:
     """(message, error type, OpenAI's code) of a failure after a stream started."""
     if isinstance(err, RequestError):
         return err.message, err.error_type, err.code
+    if isinstance(err, Overloaded):  # the shutdown: the client should retry
+        return str(err), "overloaded_error", None
     return f"generation failed: {type(err).__name__}", "api_error", None
 
 

@@ -142,6 +142,11 @@ def check_flags(args: argparse.Namespace) -> None:
                          f"{', '.join(map(str, BATCH_SIZES))}")  # fmt: skip
     if args.ctx < 2:  # a prompt and its answer: else every request is refused as too long
         raise SystemExit(f"ds4jax serve: --ctx {args.ctx}: the context holds at least 2 tokens")
+    if args.queue < 1:  # else an idle server answers every request 503 "busy"
+        raise SystemExit(f"ds4jax serve: --queue {args.queue}: at least 1 request may wait")
+    if args.api_key == "":  # an unset variable expanded empty: never serve open by mistake
+        raise SystemExit("ds4jax serve: --api-key (or DS4JAX_API_KEY) is empty; give a key, "
+                         "or unset it to serve without one")  # fmt: skip
 
 
 def build_engine(args: argparse.Namespace) -> tuple[Engine, str]:
@@ -346,6 +351,19 @@ def served_info(args: argparse.Namespace, engine: Engine) -> dict[str, str]:
     }
 
 
+async def warmed_up(engine: Any, stop: asyncio.Event) -> bool:
+    """`engine.warm_up` off the event loop; False if `stop` came first (a SIGTERM while
+    compiling must not wait minutes for the compiles, then report ready)."""
+    warm = asyncio.ensure_future(asyncio.to_thread(engine.warm_up))
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({warm, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if not warm.done():
+        return False
+    stopped.cancel()
+    await warm  # its error, if it failed
+    return True
+
+
 def serve(args: argparse.Namespace) -> int:
     logs.configure(args.log_level)
     from hypercorn.asyncio import serve as hypercorn_serve
@@ -403,11 +421,24 @@ def serve(args: argparse.Namespace) -> int:
         worker.start()
         if group:
             engine.watch(lambda dead: group_failed(dead, config))
-        server = asyncio.ensure_future(hypercorn_serve(app, hc, shutdown_trigger=stop.wait))
+
+        async def shutdown() -> None:
+            """What a signal starts, before Hypercorn closes anything: the running requests
+            are cancelled and the queued refused (`EngineWorker.stop`), so every open
+            connection gets its 503 or its stream's error event while it is still open."""
+            await stop.wait()
+            await loop.run_in_executor(None, worker.stop)
+
+        server = asyncio.ensure_future(hypercorn_serve(app, hc, shutdown_trigger=shutdown))
         print("ds4jax: compiling and warming up …", file=sys.stderr, flush=True)
-        await loop.run_in_executor(None, engine.warm_up)
-        if server.done():  # it could not listen after all: its error, never "ready on"
-            await server
+        if not await warmed_up(engine, stop):  # a signal during warm-up: nothing to keep
+            print("ds4jax: stopped during warm-up", file=sys.stderr, flush=True)
+            os._exit(0)  # the compiling thread cannot be interrupted; no session exists yet
+        if server.done() or stop.is_set():  # it could not listen after all, or was stopped
+            await server  # its error, or its clean stop: never "ready on"
+            if stop.is_set():
+                print("ds4jax: stopped", file=sys.stderr, flush=True)
+                return
         config.state = "ready"
         stats = None
         if args.stats_interval > 0:
@@ -420,8 +451,9 @@ def serve(args: argparse.Namespace) -> int:
         await server
         if stats is not None:
             stats.stop()
-        # cancel the running request at its next step, refuse queued ones, then let the
-        # store keep the live frontier (the shutdown save)
+        # (done at the signal already, while the connections were open: here for a server
+        # that ended otherwise) cancel the running requests at their next step, refuse the
+        # queued ones, then let the store keep the live frontiers (the shutdown save)
         await loop.run_in_executor(None, worker.stop)
         await loop.run_in_executor(None, engine.shutdown)
         print("ds4jax: stopped", file=sys.stderr, flush=True)

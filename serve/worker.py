@@ -26,8 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ds4jax.chat.kinds import Finish
 from ds4jax.continuation.types import Decision
-from ds4jax.engine import Engine, Prepared
+from ds4jax.engine import Engine, Prepared, Result
 from ds4jax.engine.requests import Cancelled
 from ds4jax.engine.ticket import Ticket
 
@@ -36,6 +37,9 @@ log = logging.getLogger("ds4jax.serve")
 
 class Overloaded(RuntimeError):
     pass
+
+
+SHUTTING_DOWN = "the server is shutting down; retry shortly"
 
 
 @dataclass
@@ -106,6 +110,8 @@ class EngineWorker:
         return self._jobs.qsize() + len(self.engine.waiting)
 
     def submit(self, job: Job) -> None:
+        if self._stopping:
+            raise Overloaded(SHUTTING_DOWN)
         if self.waiting >= self.max_queue:
             raise Overloaded("the server is busy; retry later")
         try:
@@ -116,7 +122,13 @@ class EngineWorker:
         job.post("queued", self._jobs.qsize())
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel the running jobs, refuse the queued ones, and join the thread."""
+        """Cancel the running jobs, refuse the queued ones, and join the thread. Every job
+        not finished by then ends in a 503 "shutting down" (a stream with its error event),
+        so a client retries against the next server instead of reading a cut reply as
+        complete. Idempotent: the server calls it when a signal arrives, while the
+        connections are still open, and again on its way out."""
+        if self._stopping:
+            return
         self._stopping = True
         for job in list(self._inflight):
             job.cancel.set()
@@ -126,7 +138,7 @@ class EngineWorker:
             except queue.Empty:
                 break
             if job is not None:
-                job.post("error", Overloaded("the server is shutting down"))
+                job.post("error", Overloaded(SHUTTING_DOWN))
         try:
             self._jobs.put_nowait(None)
         except queue.Full:
@@ -197,7 +209,12 @@ class EngineWorker:
                 hook(job, result)
             except Exception:  # a trace writer must never take the worker down
                 pass
-        if not isinstance(result, Cancelled):  # an error is reported to the client; the
+        if self._stopping and (
+            isinstance(result, Cancelled)
+            or (isinstance(result, Result) and result.finish == Finish.CANCELLED)
+        ):  # cut short by the shutdown (or its client left meanwhile): a 503 to retry
+            job.post("error", Overloaded(SHUTTING_DOWN))
+        elif not isinstance(result, Cancelled):  # an error is reported to the client; the
             job.post("error" if ticket.error is not None else "done", result)  # worker lives on
 
     def _loop(self) -> None:

@@ -194,16 +194,20 @@ def test_every_readme_command_parses() -> None:
     ("ctx", -1, "--ctx -1: the context holds at least 2 tokens"),
     ("max_batch", 3, "--max-batch 3: one of 1, 2, 4, 8"),
     ("sessions", 0, "--sessions must be at least 1"),
+    ("queue", 0, "--queue 0: at least 1 request may wait"),
+    ("api_key", "", "--api-key .or DS4JAX_API_KEY. is empty"),
 ])  # fmt: skip
-def test_serve_refuses_sizes_no_server_runs_with(flag: str, value: int, says: str) -> None:
+def test_serve_refuses_sizes_no_server_runs_with(flag: str, value: object, says: str) -> None:
     """Refused before the server reports ready (`--ctx -1` served, then refused every request
-    as too long; `--max-batch 3` was raised to 4 unsaid)."""
+    as too long; `--max-batch 3` was raised to 4 unsaid; `--queue 0` answered every request
+    503 busy; an empty `DS4JAX_API_KEY` required the empty key of every client)."""
     from serve.main import check_flags
 
-    args = argparse.Namespace(**{"ctx": 8192, "max_batch": 8, "sessions": 4, flag: value})
+    ok = {"ctx": 8192, "max_batch": 8, "sessions": 4, "queue": 16, "api_key": None}
     with pytest.raises(SystemExit, match=says):
-        check_flags(args)
-    check_flags(argparse.Namespace(ctx=8192, max_batch=8, sessions=4))
+        check_flags(argparse.Namespace(**{**ok, flag: value}))
+    check_flags(argparse.Namespace(**ok))
+    check_flags(argparse.Namespace(**{**ok, "api_key": "k", "queue": 1}))
 
 
 def test_serve_refuses_where_it_cannot_listen_before_loading() -> None:

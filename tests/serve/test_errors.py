@@ -448,11 +448,34 @@ async def test_a_failure_of_ours_is_openais_server_error(
 
 
 async def test_loading_server_answers_503(engine: Engine, worker: EngineWorker) -> None:
+    """Requests are refused (and counted); the health probe says `loading` with a 503 that
+    refuses no one, so it is not counted (a probe every second inflated the figure)."""
     app = make_app(worker)
     app.server_config.state = "loading"  # type: ignore[attr-defined]
+    before = Scrape.parse(app.metrics.render().decode())  # type: ignore[attr-defined]
     async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url=BASE) as c:
         assert_anthropic_error(await c.post("/v1/messages", json=body()), 503, "overloaded_error")
-        assert (await c.get("/health")).status_code == 503
+        for _ in range(3):
+            health = await c.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "loading"
+    after = Scrape.parse(app.metrics.render().decode())  # type: ignore[attr-defined]
+    assert after.delta(before, "ds4jax:rejected_requests_total", status="503") == 1
+
+
+async def test_cors_preflight_allows_the_headers_asked_for(worker: EngineWorker) -> None:
+    """With `--cors`, a preflight's `Access-Control-Request-Headers` come back allowed:
+    `*` alone never covers `Authorization`, so a browser client with a Bearer key failed."""
+    app = make_app(worker, ServerConfig(cors=True))
+    asked = "authorization,content-type"
+    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url=BASE) as c:
+        resp = await c.options("/v1/chat/completions", headers={
+            "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": asked,
+        })  # fmt: skip
+        assert resp.headers["access-control-allow-headers"] == asked
+        assert resp.headers["access-control-allow-origin"] == "*"
+        resp = await c.get("/health")
+        assert resp.headers["access-control-allow-headers"] == "*"
 
 
 # ---------------------------------------------------------------------- fuzz

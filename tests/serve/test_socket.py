@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +26,7 @@ from tests.serve.conftest import (
     MODEL,
     NO_THINK,
     SERVE_KEY,
+    SOCKET_SERVE_ARGS,
     Gate,
     ServeProcess,
     ThreadServer,
@@ -154,11 +156,63 @@ def test_two_concurrent_streams_interleave(served: ServeProcess) -> None:
 
 
 def test_sigterm_stops_the_server_cleanly(served: ServeProcess) -> None:
-    """Last in the module: it ends the shared server."""
+    """Last in the module: it ends the shared server. A stream decoding and a non-stream
+    request in flight when the signal arrives end while their connections are open: the
+    stream with an `overloaded_error` event, the other a 503 in the Anthropic shape, both
+    saying the server is shutting down (before, the stream was cut mid-chunk and the other
+    got an empty 500 once Hypercorn gave up waiting on them)."""
+    headers = {"x-api-key": SERVE_KEY}
+    body = {"model": MODEL, "max_tokens": 1900, "messages": user("talk"), "thinking": NO_THINK}
+    lines: list[str] = []
+    replies: list[httpx2.Response] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        with httpx2.stream("POST", f"{served.url}/v1/messages", json={**body, "stream": True},
+                           headers=headers, timeout=60) as resp:  # fmt: skip
+            for line in resp.iter_lines():
+                lines.append(line)
+                if '"text_delta"' in line:
+                    started.set()
+
+    def plain() -> None:
+        replies.append(httpx2.post(f"{served.url}/v1/messages", json=body, headers=headers,
+                                   timeout=60))  # fmt: skip
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+    for t in threads:
+        t.start()
+    assert started.wait(60), served.stderr
     rc = served.stop()
+    for t in threads:
+        t.join(60)
     assert rc == 0, served.stderr
     assert "stopped" in served.stderr
     assert "Traceback" not in served.stderr
+    events = [json.loads(x[len("data: ") :]) for x in lines if x.startswith("data: ")]
+    assert events[-1]["type"] == "error", lines[-4:]
+    assert events[-1]["error"]["type"] == "overloaded_error"
+    assert "shutting down" in events[-1]["error"]["message"]
+    (reply,) = replies
+    assert "shutting down" in assert_anthropic_error(reply, 503, "overloaded_error")
+
+
+def test_sigterm_during_warm_up_exits_at_once_without_ready() -> None:
+    """A signal while the server compiles ends it then (no session exists yet), never
+    after the compiles with a "ready on" line that scripts and probes would believe."""
+    server = ServeProcess(*SOCKET_SERVE_ARGS)
+    try:
+        deadline = time.monotonic() + 300
+        while "compiling and warming up" not in server.stderr:
+            assert server.proc.poll() is None, server.stderr
+            assert time.monotonic() < deadline, server.stderr
+            time.sleep(0.05)
+        rc = server.stop()
+    finally:
+        server.stop()
+    assert rc == 0, server.stderr
+    # the line is printed only where the warm-up had not finished
+    assert "stopped during warm-up" in server.stderr and "ready on" not in server.stderr
 
 
 # ---------------------------------------------------------------------- in-thread Hypercorn
