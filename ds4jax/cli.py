@@ -144,7 +144,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ds4jax.model.state import init_state
     from ds4jax.sampling import sample
 
-    if args.n < 1 or args.temperature < 0:
+    if args.n < 1 or not args.temperature >= 0:  # NaN too: it sampled token 0 every step
         raise ValueError(f"-n {args.n} / --temperature {args.temperature}: at least 1 token, "
                          "a temperature ≥ 0")  # fmt: skip
     cfg, params, tokenizer, place = _load_model(args)

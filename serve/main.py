@@ -23,6 +23,7 @@ from ds4jax.model.sharding import MESH_HELP
 from ds4jax.weights.options import add_attention_impl, add_hub_options, add_weights
 from serve import logs
 from serve.app import ServerConfig, create_app
+from serve.metrics import SOURCE_LABELS
 from serve.worker import EngineWorker
 
 log = logging.getLogger("ds4jax.serve")
@@ -292,6 +293,9 @@ def paged_pool_size(cfg: Any, ctx: int, budget: int, max_batch: int) -> int:
 
 
 def trace_hook(path: str):
+    """`--trace`: one JSON line per finished request, its path named as the log line and
+    `/metrics` name it (`cold`, `fork_point`, `live_tool_ids`…: `SOURCE_LABELS`)."""
+
     def write(job: Any, result: Any) -> None:
         rec = {
             "time": time.time(),
@@ -302,7 +306,7 @@ def trace_hook(path: str):
             rec["error"] = repr(result)
         else:
             rec |= {
-                "source": result.source.value,
+                "source": SOURCE_LABELS[result.source],
                 "session": result.session,
                 "forked_from": result.forked_from,
                 "restored": result.restored,

@@ -65,6 +65,7 @@ def test_generate_refuses_a_context_its_tokens_do_not_fit() -> None:
         (("--ctx", "8", "-n", "20"), "--ctx 8 holds fewer"),
         (("-n", "0"), "-n 0"),
         (("--temperature", "-1"), "temperature"),
+        (("--temperature", "nan"), "temperature"),  # it sampled token 0 (BOS) every step
     ):
         out = run("generate", "--config", "tiny", "-p", "Hello there", *flags)
         assert out.returncode == 1 and says in out.stderr, out.stderr

@@ -3,8 +3,10 @@ while there is work and none when idle, and library chatter kept below INFO."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -13,6 +15,7 @@ import pytest
 
 from ds4jax.engine import Engine
 from serve import logs
+from serve.main import trace_hook
 from serve.worker import EngineWorker
 from tests.serve.conftest import BASE, MODEL, NO_THINK, ServeProcess, force, make_app, user
 
@@ -40,13 +43,17 @@ def test_no_stats_line_when_idle_and_a_line_of_the_interval_otherwise() -> None:
 
 @pytest.mark.anyio
 async def test_the_request_line_and_the_stats_of_a_real_request(
-    engine: Engine, worker: EngineWorker
+    engine: Engine, worker: EngineWorker, tmp_path: Path
 ) -> None:
+    """The log line, the stats line and `--trace`'s record of one request, all naming its
+    path alike (the trace said `none` for what the others call `cold`)."""
     app = make_app(worker)
     lines: list[str] = []
+    trace = trace_hook(str(tmp_path / "trace.jsonl"))
 
     def hook(job: Any, result: Any) -> None:
         lines.append(logs.request_line(job, result))
+        trace(job, result)
 
     worker.hooks.append(hook)
     before = logs.Tally.read(app.metrics)
@@ -68,6 +75,9 @@ async def test_the_request_line_and_the_stats_of_a_real_request(
     assert f"| eval {u.output_tokens} tokens " in line and "| total " in line
     stats = logs.stats_line(before, logs.Tally.read(app.metrics), 10.0)
     assert stats is not None and "paths cold=1" in stats
+    (rec,) = [json.loads(x) for x in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert rec["source"] == "cold" and rec["finish"] == "end_turn"
+    assert rec["prompt_tokens"] == u.input_tokens and rec["output_tokens"] == u.output_tokens
     assert f"generation {u.output_tokens / 10:.1f} tok/s" in stats
 
 
