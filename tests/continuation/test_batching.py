@@ -223,11 +223,14 @@ def test_a_request_withdrawn_while_it_waits_is_never_routed(_engine) -> None:
     assert len(engine.pool.forks) == 2  # the two prompt ends; nothing of c's
 
 
-def test_a_prefill_withdrawn_keeps_its_prefix_as_a_fork_point(_engine) -> None:
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_prefill_withdrawn_keeps_its_prefix_as_a_fork_point(_engine, paged: bool) -> None:
     """Its client left while its prompt prefilled: the prefill stops at the next chunk,
     the session the route would replace keeps its live frontier, and the prefix evaluated
-    so far is a fork point a retry of the same request continues from."""
-    engine = like(_engine, sessions=1, fork_points=True, max_batch=1)
+    so far is a fork point a retry of the same request continues from (dense, or kept in
+    pages)."""
+    engine = like(_engine, sessions=1, fork_points=True, max_batch=1,
+                  paged_pages=256 if paged else None)  # fmt: skip
     long_text = "The engine keeps the sampled state as the truth. " * 12
     solo = engine.run(prepared(engine, long_text, 6))
     engine.reset()
@@ -246,8 +249,10 @@ def test_a_prefill_withdrawn_keeps_its_prefix_as_a_fork_point(_engine) -> None:
     assert got.finish == "cancelled" and got.output_tokens == 0 and got.prefilled == done
     assert engine.pool.sessions[a.session].live is a_live  # not displaced
     (point,) = [f for f in engine.pool.forks if f.frontier.tokens == tuple(c.tokens[:done])]
+    assert paged == (engine.pages is not None and hasattr(point.frontier.state, "table"))
     cold = engine.logits_for(point.frontier.tokens)
-    assert np.abs(cold - np.asarray(point.frontier.state.logits)).max() <= 1e-5
+    kept = engine.pages.dense(point.frontier.state) if paged else point.frontier.state
+    assert np.abs(cold - np.asarray(kept.logits)).max() <= 1e-5
     retry = engine.run(prepared(engine, long_text, 6))
     assert retry.source == CacheSource.FORK and retry.cached == done
     assert retry.raw_text == solo.raw_text and retry.output_tokens == solo.output_tokens
