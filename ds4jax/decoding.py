@@ -242,6 +242,11 @@ class RowDecoder:
         its `logprob` when the row asked for them (emitted before its events)."""
         p, tok = self.prepared, self.engine.tokenizer
         eos = t == tok.eos_id
+        if eos and self.pending_force is not None and self.in_thinking:
+            # `tool_choice` any / tool must end in a call: an EOS sampled inside the
+            # reasoning (never evaluated) becomes its close, and the call opening follows
+            self.ahead = self.think_end
+            return
         counted = not eos or self.forced is None  # a teacher-forced EOS is no output token
         if self.logprobs is not None and counted:
             if logprob is None or logprob.token != t:

@@ -21,9 +21,13 @@ Renderings chosen where the official V4 encoder has nothing (documented in docs/
   render as the official encoder renders unsupported blocks (`[Unsupported image]`,
   `[Unsupported document]`): the tool's output is the agent's, and the model is told. A
   document with a text source (or content blocks) renders as its text.
-* `thinking` / `redacted_thinking` blocks of an assistant turn are its reasoning
-  (concatenated); its text blocks are concatenated; `tool_use` blocks are its calls.
-* A final assistant turn is a prefill: the model continues it (no EOS).
+* `thinking` blocks of an assistant turn are its reasoning (concatenated); a
+  `redacted_thinking` block is dropped (its `data` is another model's encrypted reasoning,
+  which ds4 ignores too; rendered, it was base64 put before the model as its own thoughts);
+  its text blocks are concatenated; `tool_use` blocks are its calls.
+* A final assistant turn is a prefill: the model continues it (no EOS), as text — its
+  reasoning is closed before it — so the reply has no thinking block whatever `thinking`
+  says (`engine.prepare`).
 * Thinking is on unless `thinking.type` is `disabled`, the effort is `none`, or the model
   alias `deepseek-chat` is used without an explicit control; `adaptive` means on.
   Effort `max` is Think-Max, granted only when the context is at least
@@ -144,7 +148,7 @@ def _assistant_message(content: Any) -> Message:
         elif isinstance(b, ThinkingBlock):
             reasoning.append(b.thinking)
         elif isinstance(b, RedactedThinkingBlock):
-            reasoning.append(b.data)
+            pass  # another model's encrypted reasoning: base64 noise to this one (ds4 too)
         elif isinstance(b, ToolUseBlock):
             calls.append(ToolCall(name=b.name, arguments=b.input, id=b.id))
     return Message(

@@ -63,10 +63,14 @@ def prepare(
         force = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="'
         if choice == "tool":
             force += f'{tool_choice["name"]}">\n'
+    # a final assistant turn (a prefill) is rendered after its `</think>`: what the model
+    # continues is content, so the row decodes as without thinking (else its text came back
+    # as a thinking block, and a thinking budget forced `</think>` into it)
+    prefill = bool(conversation.messages) and conversation.messages[-1].prefill
     return Prepared(
         conversation=conversation,
         view=view,
-        thinking=conversation.thinking,
+        thinking=conversation.thinking and not prefill,
         has_tools=has_tools,
         max_tokens=max_tokens,
         sampling=sampling or SamplingParams(),

@@ -114,6 +114,21 @@ def test_think_max_prefix_follows_bos() -> None:
     assert "Reasoning Effort" in text_of(body, max_context=393216)
 
 
+def test_redacted_thinking_is_not_the_models_reasoning() -> None:
+    """A `redacted_thinking` block (from a session begun on another model) is dropped: its
+    `data` is encrypted, and rendered it was base64 put before the model as its own
+    reasoning. A `thinking` block beside it still is the turn's reasoning."""
+    blob = "EmwKAhgBEgy3va3pzix/LafPsn4aDFIT2Xlxh0L5"
+    turn = {"role": "assistant", "content": [
+        {"type": "redacted_thinking", "data": blob},
+        {"type": "thinking", "thinking": "Greet back.", "signature": "x"},
+        {"type": "text", "text": "Hello!"},
+    ]}  # fmt: skip
+    body = {"tools": [WEATHER], "messages": [HISTORY[0], turn, HISTORY[2]]}
+    text = text_of(body)
+    assert blob not in text and "Greet back.</think>Hello!" in text
+
+
 def test_two_tool_calls_then_results_official_form() -> None:
     body = {
         "system": "You are a helpful assistant.",

@@ -272,6 +272,43 @@ def test_tool_choice_tool_forces_the_call_opening_and_the_name(engine: Engine) -
     assert res.message.content == ""  # nothing before the forced block
 
 
+def test_a_forced_call_survives_an_eos_sampled_while_thinking(engine: Engine) -> None:
+    """`tool_choice` any must end in a call: an EOS sampled inside the reasoning (seen: 1 in
+    12 turns of the demo model) becomes the reasoning's close, then the forced opening; it
+    used to end the turn `end_turn` with no call."""
+    eos = engine.tokenizer.eos_id
+    rest = (
+        'bash">\n<｜DSML｜parameter name="command" string="true">ls</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+    )
+    res = engine.run(
+        _choice_request(engine, {"type": "any"}, thinking=True),
+        forced_tokens=[*forced(engine, "I am small."), eos, *forced(engine, rest)],
+    )
+    assert res.finish == "tool_use" and res.message.reasoning == "I am small."
+    assert [(c.name, c.arguments) for c in res.message.tool_calls] == [("bash", {"command": "ls"})]
+    think_end = engine.tokenizer.special_id("</think>")
+    assert eos not in engine.live.tokens and think_end in engine.live.tokens
+
+
+def test_a_prefill_continues_as_text_with_thinking_on(engine: Engine) -> None:
+    """A final assistant turn is rendered after its closed reasoning, so its continuation is
+    content — with thinking on too (it came back as a thinking block, and `budget_tokens`
+    forced `</think>` into the text)."""
+    from ds4jax.chat.anthropic import parse_messages_request
+
+    body = {"messages": [{"role": "user", "content": "What is 12 plus 30?"},
+                         {"role": "assistant", "content": "The answer"}],
+            "thinking": {"type": "enabled", "budget_tokens": 2}}  # fmt: skip
+    req = parse_messages_request(body)
+    prepared = engine.prepare(req.conversation, max_tokens=8, has_tools=False,
+                              thinking_budget=req.thinking_budget)  # fmt: skip
+    assert not prepared.thinking
+    res = engine.run(prepared, forced_tokens=forced(engine, " is forty two"))
+    assert res.message.reasoning is None and res.message.content == " is forty two"
+    assert res.reasoning_tokens == 0
+
+
 def test_disable_parallel_tool_use_closes_the_block_after_one_call(engine: Engine) -> None:
     two_calls = (
         tool_call_text("ls")
