@@ -61,7 +61,10 @@ def prepare(
     choice = (tool_choice or {}).get("type")
     if has_tools and choice in ("any", "tool"):
         force = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="'
-        if choice == "tool":
+        declared = [t.name for m in conversation.messages for t in m.tools or ()]
+        if choice == "any" and len(declared) == 1:  # the one tool there is: its name too
+            force += f'{declared[0]}">\n'  # (a small model named a tool it knew instead)
+        elif choice == "tool":
             force += f'{tool_choice["name"]}">\n'
     # a final assistant turn (a prefill) is rendered after its `</think>`: what the model
     # continues is content, so the row decodes as without thinking (else its text came back

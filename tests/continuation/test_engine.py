@@ -272,13 +272,24 @@ def test_tool_choice_tool_forces_the_call_opening_and_the_name(engine: Engine) -
     assert res.message.content == ""  # nothing before the forced block
 
 
+def test_tool_choice_any_with_one_tool_forces_its_name(engine: Engine) -> None:
+    """`any` with a single declared tool can only mean that tool: its name is forced too
+    (the demo model, told `any` with one tool `add`, called `get_weather` in 10 of 12)."""
+    prepared = _choice_request(engine, {"type": "any"})
+    assert prepared.force_after_think.endswith('<｜DSML｜invoke name="bash">\n')
+    res = engine.run(prepared, forced_tokens=forced(engine, (
+        '<｜DSML｜parameter name="command" string="true">ls</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>")))  # fmt: skip
+    assert [(c.name, c.arguments) for c in res.message.tool_calls] == [("bash", {"command": "ls"})]
+
+
 def test_a_forced_call_survives_an_eos_sampled_while_thinking(engine: Engine) -> None:
     """`tool_choice` any must end in a call: an EOS sampled inside the reasoning (seen: 1 in
     12 turns of the demo model) becomes the reasoning's close, then the forced opening; it
     used to end the turn `end_turn` with no call."""
     eos = engine.tokenizer.eos_id
     rest = (
-        'bash">\n<｜DSML｜parameter name="command" string="true">ls</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="command" string="true">ls</｜DSML｜parameter>\n'
         "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
     )
     res = engine.run(
