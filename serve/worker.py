@@ -148,6 +148,8 @@ class EngineWorker:
 
     def _start_job(self, job: Job) -> None:
         self._inflight.append(job)
+        if self._stopping:  # taken off the queue as `stop` began: it may not have seen it
+            job.cancel.set()  # (appended first, read second: one of the two sees the other)
         self.running = job
         self.engine.submit(
             job.prepared,

@@ -183,6 +183,10 @@ def test_sigterm_stops_the_server_cleanly(served: ServeProcess) -> None:
     for t in threads:
         t.start()
     assert started.wait(60), served.stderr
+    deadline = time.monotonic() + 60
+    while httpx2.get(f"{served.url}/health").json()["queue_depth"] < 2:  # both in flight
+        assert time.monotonic() < deadline, served.stderr
+        time.sleep(0.05)
     rc = served.stop()
     for t in threads:
         t.join(60)
