@@ -143,6 +143,9 @@ def check_flags(args: argparse.Namespace) -> None:
                          f"{', '.join(map(str, BATCH_SIZES))}")  # fmt: skip
     if args.ctx < 2:  # a prompt and its answer: else every request is refused as too long
         raise SystemExit(f"ds4jax serve: --ctx {args.ctx}: the context holds at least 2 tokens")
+    if not args.stats_interval >= 0:  # -1 ran as 0 (no line) unsaid; NaN too
+        raise SystemExit(f"ds4jax serve: --stats-interval {args.stats_interval}: seconds ≥ 0 "
+                         "(0: no stats line)")  # fmt: skip
     if args.queue < 1:  # else an idle server answers every request 503 "busy"
         raise SystemExit(f"ds4jax serve: --queue {args.queue}: at least 1 request may wait")
     if args.api_key == "":  # an unset variable expanded empty: never serve open by mistake

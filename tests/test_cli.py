@@ -196,6 +196,7 @@ def test_every_readme_command_parses() -> None:
     ("sessions", 0, "--sessions must be at least 1"),
     ("queue", 0, "--queue 0: at least 1 request may wait"),
     ("api_key", "", "--api-key .or DS4JAX_API_KEY. is empty"),
+    ("stats_interval", -1.0, "--stats-interval -1.0: seconds ≥ 0"),
 ])  # fmt: skip
 def test_serve_refuses_sizes_no_server_runs_with(flag: str, value: object, says: str) -> None:
     """Refused before the server reports ready (`--ctx -1` served, then refused every request
@@ -203,7 +204,14 @@ def test_serve_refuses_sizes_no_server_runs_with(flag: str, value: object, says:
     503 busy; an empty `DS4JAX_API_KEY` required the empty key of every client)."""
     from serve.main import check_flags
 
-    ok = {"ctx": 8192, "max_batch": 8, "sessions": 4, "queue": 16, "api_key": None}
+    ok = {
+        "ctx": 8192,
+        "max_batch": 8,
+        "sessions": 4,
+        "queue": 16,
+        "api_key": None,
+        "stats_interval": 10.0,
+    }
     with pytest.raises(SystemExit, match=says):
         check_flags(argparse.Namespace(**{**ok, flag: value}))
     check_flags(argparse.Namespace(**ok))
