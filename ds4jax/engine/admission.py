@@ -174,14 +174,10 @@ class Admission:
             self._enforce_budget(None)
         log.info("prefill withdrawn at %d of %d tokens: the client went away", done,
                  len(ticket.tokens))  # fmt: skip
-        routed, decision = ticket.routed, ticket.decision
-        ticket.succeed(Result(
-            source=decision.source, cached=decision.cached, prefilled=done - len(decision.base),
-            output_tokens=0, finish=Finish.CANCELLED, message=ParsedMessage(reasoning=None),
-            tool_ids=[], prefill_seconds=time.perf_counter() - ticket.t0,
-            session=ticket.session.slot, forked_from=routed.fork.owner if routed.fork else None,
-            restored=ticket.restored,
-        ))  # fmt: skip
+        ticket.prefill_seconds = time.perf_counter() - ticket.t0
+        ticket.succeed(Result(output_tokens=0, finish=Finish.CANCELLED,
+                              message=ParsedMessage(reasoning=None), tool_ids=[],
+                              **ticket.route_fields()))  # fmt: skip
 
     def _admit(self) -> None:
         while self.waiting and self._free_row() is not None:

@@ -33,7 +33,7 @@ from ds4jax.engine.prepare import prepare, segments_of
 from ds4jax.engine.requests import Prepared, SamplingParams
 from ds4jax.engine.sessions import Sessions
 from ds4jax.engine.speculative import Speculating
-from ds4jax.engine.stepping import Stepping
+from ds4jax.engine.stepping import Stepping, sampling_arrays
 from ds4jax.engine.ticket import Ticket
 from ds4jax.interleave import TickCosts
 from ds4jax.kvstore.background import BackgroundSaves
@@ -327,9 +327,7 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
                 grid = np.zeros((size, pages_for(self._batch_span)), np.int32)
                 variants = [(c, lp) for c in chunks[: 2 if self.stall_bound else 1]
                             for lp in ((False, True) if logprobs else (False,))]  # fmt: skip
-                sampling = (np.zeros((size, 2), np.uint32), np.zeros(size, np.float32),
-                            np.zeros(size, np.int32), np.ones(size, np.float32),
-                            np.zeros(size, np.float32))  # fmt: skip
+                sampling = (np.zeros((size, 2), np.uint32), *sampling_arrays(size))
                 for chunk, lp in variants:
                     for _ in range(2):  # the second call sees the step's own outputs
                         scratch, *_ = self._step(scratch, grid, np.full(size, -1, np.int32),

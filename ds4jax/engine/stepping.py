@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -337,14 +338,7 @@ class Stepping:
         self._rows[row] = None
         try:
             state = self._row_frontier(row, len(ticket.decoder.tokens))
-            result = ticket.decoder.finish(state)
-            result.source = ticket.decision.source
-            result.cached = ticket.decision.cached
-            result.prefilled = ticket.suffix_n
-            result.prefill_seconds = ticket.prefill_seconds
-            result.session = ticket.session.slot
-            result.forked_from = ticket.routed.fork.owner if ticket.routed.fork else None
-            result.restored = ticket.restored
+            result = replace(ticket.decoder.finish(state), **ticket.route_fields())
         except Exception as err:
             ticket.fail(err)
         else:

@@ -55,6 +55,21 @@ class Ticket:
     #: where its base state came back from before continuing: "host" (`kvstore.host`)
     restored: str | None = None
 
+    def route_fields(self) -> dict[str, Any]:
+        """Its result's fields that its route and prefill decided (the decoder knows the
+        rest): what it continued, what it evaluated of its prompt, and where."""
+        d, r = self.decision, self.routed
+        assert d is not None and r is not None and self.session is not None
+        return {
+            "source": d.source,
+            "cached": d.cached,
+            "prefilled": self.done_tokens - len(d.base),
+            "prefill_seconds": self.prefill_seconds,
+            "session": self.session.slot,
+            "forked_from": r.fork.owner if r.fork else None,
+            "restored": self.restored,
+        }
+
     @property
     def withdrawn(self) -> bool:
         """Its caller cancelled it (the client left)."""
