@@ -87,14 +87,20 @@ class Speculator:
     def __init__(self, cfg: Config, rows: int, place: Any) -> None:
         """`rows`: the decode batch's capacity; `place`: how the engine places a state."""
         self.cfg = cfg
-        mcfg = cfg.mtp_block()
-        self.mtp = place(batch_ops.empty_batch(mcfg, mcfg.sliding_window, rows).layers[0])
-        self.drafts = place(jnp.full(rows, -1, jnp.int32))
+        self._rows, self._place = rows, place
+        self.mtp, self.drafts = self.empty()
         self.pending = [-1] * rows
         #: where each row's window started, and the position it has run up to (−1: none)
         self.start = [0] * rows
         self.ran_to = [-1] * rows
         self.counts = SpecCounts()
+
+    def empty(self) -> tuple[Any, jax.Array]:
+        """The block's window state and the drafts of every row, empty and placed as the
+        step's are (also the throwaway pair `Engine.warm_up` compiles the step on)."""
+        mcfg = self.cfg.mtp_block()
+        state = batch_ops.empty_batch(mcfg, mcfg.sliding_window, self._rows).layers[0]
+        return self._place(state), self._place(jnp.full(self._rows, -1, jnp.int32))
 
     # -------------------------------------------------------------- bookkeeping
 

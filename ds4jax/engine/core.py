@@ -296,7 +296,8 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
         `stall_bound`, each size's mixed step with the smallest chunk too (other chunk sizes
         and spans compile on first use, then come from the persistent cache). `logprobs`:
         each of those steps' variant that reports log-probabilities too (else the first
-        request asking for them compiles it)."""
+        request asking for them compiles it). With speculation, each size's speculative
+        step up to its bound."""
         for size in self.chunk_sizes:
             state = self._prefill(self._empty, [self.tokenizer.bos_id] * size, (size,))
             state.logits.block_until_ready()
@@ -332,6 +333,8 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
                     for _ in range(2):  # the second call sees the step's own outputs
                         scratch, *_ = self._step(scratch, grid, np.full(size, -1, np.int32),
                                                  *sampling, chunk=chunk, logprobs=lp)  # fmt: skip
+                if self.spec is not None and size <= self.spec_max_batch:
+                    scratch = self._warm_speculative(scratch, grid, size, sampling)
                 if self._bursts_run:
                     # the burst (and a row's step back) a server decoding rows that only
                     # sample runs: else six streams' first tokens wait out its compile at

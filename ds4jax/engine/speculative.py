@@ -13,10 +13,13 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+import jax
+import numpy as np
+
 from ds4jax.engine.placement import place_state
 from ds4jax.engine.stepping import sampling_arrays, sampling_row
-from ds4jax.model.speculative import paged_verify_rows, verify_rows
-from ds4jax.speculation import Speculator, default_max_batch
+from ds4jax.model.speculative import draft_rows, paged_verify_rows, verify_rows
+from ds4jax.speculation import SAMPLE, Speculator, default_max_batch
 
 
 class Speculating:
@@ -33,6 +36,30 @@ class Speculating:
                              "with a mesh (--mesh none)")  # fmt: skip
         self.spec = Speculator(self.cfg, self.max_batch, partial(place_state, self.mesh))
         self.spec_max_batch = default_max_batch() if max_batch is None else max_batch
+
+    def _warm_speculative(self, batch: Any, grid: np.ndarray, size: int,
+                          sampling: tuple[np.ndarray, ...]) -> Any:  # fmt: skip
+        """Compile the speculative step of `size` rows (verify, then the block's drafts)
+        on the throwaway `batch` (returned, donated on) and a throwaway window: the first
+        request with speculation on waited 6–7 s for them on an empty compile cache. Every
+        row samples and no draft is used; with pages, `grid`'s null tables read and write
+        nothing."""
+        first, second = np.full(size, SAMPLE, np.int32), np.full(size, -1, np.int32)
+        mtp, drafts = self.spec.empty()
+        args = (first, second, drafts, np.zeros(size, bool), *sampling,
+                np.int32(self.tokenizer.eos_id))  # fmt: skip
+        if self.pages is None:
+            batch, out = verify_rows(self.params, batch, *args, cfg=self.cfg, size=size)
+        else:
+            batch, self.pages.arrays, out = paged_verify_rows(
+                self.params, batch, self.pages.arrays, grid, *args, cfg=self.cfg, size=size,
+                span=self._batch_span,
+            )  # fmt: skip
+        zeros = np.zeros(size, np.int32)
+        jax.block_until_ready(draft_rows(self.params, mtp, drafts, out[-1],
+                                         np.zeros((size, 2), np.int32), zeros, zeros,
+                                         cfg=self.cfg, size=size))  # fmt: skip
+        return batch
 
     def _speculative_step(self, size: int) -> tuple[int, int]:
         """`_decode_step` as a speculative step (`speculation.Speculator.step`)."""

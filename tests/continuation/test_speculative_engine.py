@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import jax
 import numpy as np
 import pytest
 
@@ -189,3 +190,45 @@ def test_speculation_needs_the_block_and_one_device(_engine: Engine) -> None:
     params = {**_engine.params, "mtp": init_params(_engine.cfg, 5, mtp_layers=1)["mtp"]}
     with pytest.raises(ValueError, match="unknown speculative"):
         Engine(_engine.cfg, params, _engine.tokenizer, speculative="eagle")
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_warm_up_compiles_the_speculative_steps_requests_run(
+    _engine: Engine, paged: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Warm-up runs each size's speculative step (verify, then the block's drafts) with the
+    arguments a served step has — shapes, dtypes, placement and static arguments alike, so
+    one compiled program — else the first request with speculation on waits out their
+    compile (measured: 5.8–7.1 s on an empty compile cache against 0.14 s)."""
+    import ds4jax.engine.speculative as engine_spec
+    import ds4jax.speculation as speculation
+
+    calls: list[Any] = []
+
+    def signature(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            return (x.shape, str(x.dtype), x.committed)
+        return (np.shape(x), str(getattr(x, "dtype", type(x))))
+
+    def spy(real: Any) -> Any:
+        def call(*args: Any, **kw: Any) -> Any:
+            calls.append((real.__name__, jax.tree.map(signature, args), kw))
+            return real(*args, **kw)
+
+        return call
+
+    verify = "paged_verify_rows" if paged else "verify_rows"
+    monkeypatch.setattr(engine_spec, verify, spy(getattr(engine_spec, verify)))
+    monkeypatch.setattr(engine_spec, "draft_rows", spy(engine_spec.draft_rows))
+    monkeypatch.setattr(speculation, "draft_rows", spy(speculation.draft_rows))
+    kw = dict(paged_pages=256) if paged else {}
+    e = speculating(_engine, sessions=6, max_batch=4, **kw)
+    e.warm_up()
+    warmed, calls[:] = list(calls), []
+    assert sorted({(name, c["size"]) for name, _, c in warmed}) == [
+        (name, size) for name in sorted({verify, "draft_rows"}) for size in (1, 2, 4)
+    ]
+    together(e, [prepared(e, t, 12) for t in TEXTS])
+    assert e.spec.counts.steps > 0 and calls
+    assert {c["size"] for _, _, c in calls} >= {4}
+    assert all(call in warmed for call in calls)
