@@ -227,7 +227,7 @@ class Admission:
             base_state = self.pages.dense(base_state)
         elif isinstance(base_state, HostState):  # back from the host tier, to continue
             ticket.restored = "host"
-            base_state = place_state(self.mesh, base_state.state)
+            base_state = place_state(self.mesh, base_state.dense())
         if decision.suffix_tokens is not None:
             suffix = list(decision.suffix_tokens)
         else:

@@ -109,15 +109,16 @@ class Sessions:
         if self.host_budget is None or session.live is None:
             return False
         dense = self.pages.dense(session.live.state) if self.pages else session.live.state
-        victims = host_victims(self.pool, dense.nbytes, self.host_budget, keep | {session.slot})
+        host = to_host(dense)
+        victims = host_victims(self.pool, host.nbytes, self.host_budget, keep | {session.slot})
         if victims is None:
             return False
         for i in victims:
             dropped.append(self.pool.sessions[i].live)
             self.pool.sessions[i].clear()
-        session.live = replace(session.live, state=to_host(dense))
+        session.live = replace(session.live, state=host)
         log.info("spill %d tokens of session %d to host RAM (%d bytes)", session.live.pos,
-                 session.slot, dense.nbytes)  # fmt: skip
+                 session.slot, host.nbytes)  # fmt: skip
         return True
 
     def _check_room(self, tokens: int, slot: int) -> None:
@@ -152,7 +153,7 @@ class Sessions:
             if isinstance(self.store, NoStore):
                 return
             if isinstance(state, HostState):
-                state = state.state
+                state = state.dense()
             elif self.pages is not None:
                 state = self.pages.dense(state)
             self.store.save(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from ds4jax.continuation.pool import Pool, Session, host_bytes, host_victims
 from ds4jax.continuation.types import Bindings, CacheSource, LiveFrontier, ToolBinding
 from ds4jax.engine import Engine, EngineError
-from ds4jax.kvstore.host import HostState
+from ds4jax.kvstore.host import HostState, to_host
+from ds4jax.model.state import allocated_bytes
 from tests.continuation.conftest import like
 from tests.continuation.test_sessions import (
     SYSTEM,
@@ -94,6 +96,7 @@ def test_an_evicted_session_waits_in_host_ram_and_continues_live(engines) -> Non
         if engine is pressed:
             held = engine.pool.sessions[res.session].live
             assert isinstance(held.state, HostState)  # whole: tokens, bindings, state
+            assert held.state.nbytes < allocated_bytes(held.state.dense())  # its rows only
             assert engine.pool.sessions[res.session].tool_ids == frozenset(res.tool_ids)
             assert engine.pool.state_bytes() <= engine.pool.budget
         back = engine.run(prepared(engine, follow, 3))
@@ -105,6 +108,28 @@ def test_an_evicted_session_waits_in_host_ram_and_continues_live(engines) -> Non
     live = pressed.pool.sessions[back.session].live
     cold = pressed.logits_for(live.tokens)
     assert np.abs(cold - np.asarray(live.state.logits)).max() <= 1e-5
+
+
+@pytest.mark.parametrize("tokens", [0, 3, 150, 700])
+def test_the_host_tier_holds_the_rows_of_the_tokens_held_and_gives_back_the_state(
+    _engine: Engine, tokens: int
+) -> None:
+    """A spilled state costs host RAM for the rows its tokens wrote, not for its span's
+    capacity, and comes back bit for bit (the cut rows are the zeros past its tokens)."""
+    e = _engine
+    ids = [e.tokenizer.bos_id] + [7 + i % 300 for i in range(tokens - 1)] if tokens else []
+    state = e._prefill(e._fit(e._empty, tokens), ids, e.chunk_sizes) if ids else e._empty
+    host = to_host(state)
+    want, back = jax.device_get(state), host.dense()
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(back), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    for i, ls in enumerate(host.state.layers):
+        for rows in (ls.comp, ls.idx):
+            if rows is not None:  # at most the rows the tokens completed
+                assert rows.shape[0] <= tokens // e.cfg.compress_ratios[i] + 1
+    assert host.nbytes == allocated_bytes(host.state)
+    assert host.nbytes < allocated_bytes(want)
 
 
 def test_a_state_that_cannot_fit_beside_those_in_flight_is_refused_unchanged(engines) -> None:
