@@ -49,9 +49,12 @@ def cmd_count_tokens(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
+    """`piece` is the vocabulary's own string (byte-level: "Ġw" for " w"); `text` the bytes
+    it stands for, as text — a byte of a character split across tokens as `\\xNN`."""
     tok = load_tokenizer(args.tokenizer)
     for tid in tok.encode_text(args.text):
-        print(json.dumps({"id": tid, "piece": tok.piece(tid)}, ensure_ascii=False))
+        text = tok.token_bytes(tid).decode("utf-8", errors="backslashreplace")
+        print(json.dumps({"id": tid, "piece": tok.piece(tid), "text": text}, ensure_ascii=False))
     return 0
 
 

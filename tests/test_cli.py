@@ -67,9 +67,15 @@ def test_tokenize_prints_one_json_line_per_token() -> None:
     out = run("tokenize", "--text", "Hi <｜User｜>")
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line) for line in out.stdout.decode().splitlines()]
-    assert lines[0] == {"id": 23166, "piece": "Hi"}
-    assert all(set(r) == {"id", "piece"} for r in lines)
+    assert lines[0] == {"id": 23166, "piece": "Hi", "text": "Hi"}
+    assert all(set(r) == {"id", "piece", "text"} for r in lines)
     assert 128803 not in [r["id"] for r in lines]  # typed text is never a special token
+    assert "".join(r["text"] for r in lines) == "Hi <｜User｜>"
+    # byte-level pieces ("Ġw", "Ã¶r") shown as the text they stand for
+    out = run("tokenize", "--text", "Hello wörld, 你好")
+    rows = [json.loads(line) for line in out.stdout.decode().splitlines()]
+    assert "".join(r["text"] for r in rows) == "Hello wörld, 你好"
+    assert {"piece": "Ġw", "text": " w"}.items() <= rows[1].items()
 
 
 def test_tokenizer_train_then_tokenize_with_it(tmp_path: Path) -> None:
