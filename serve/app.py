@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -93,6 +95,43 @@ def _err(
                     headers=headers)  # fmt: skip
 
 
+#: the deepest nesting of arrays and objects a request body may have: far past any tool
+#: schema, and short of what rendering a schema back to JSON (Python's recursion limit) and
+#: the Responses echo (pydantic's depth limit, 255) can take, so depth is one clear 400
+MAX_JSON_DEPTH = 128
+
+
+def decode_json(raw: bytes) -> Any:
+    """A request body as JSON, or a RequestError (400): empty, not JSON, nested too deeply,
+    or holding NaN or an infinity (not JSON numbers: a reply echoing one would not parse;
+    the error names where)."""
+    if not raw:
+        raise RequestError("request body is empty")
+    try:
+        body = json.loads(raw)
+    except RecursionError as err:
+        raise RequestError("request body is nested too deeply") from err
+    except (ValueError, UnicodeDecodeError) as err:
+        raise RequestError(f"request body is not valid JSON: {err}") from err
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise field_error(where or "body", f"{json.dumps(value)} is not a JSON number")
+        if not isinstance(value, dict | list):
+            continue
+        if depth == MAX_JSON_DEPTH:
+            raise RequestError(f"request body is nested too deeply (more than "
+                               f"{MAX_JSON_DEPTH} levels)")  # fmt: skip
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(item, float | dict | list):
+                path = f"{where}[{key}]" if isinstance(key, int) else (
+                    f"{where}.{key}" if where else str(key))  # fmt: skip
+                stack.append((item, path, depth + 1))
+    return body
+
+
 def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
     app = Quart(__name__)
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
@@ -153,16 +192,13 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
         log.exception("unhandled error")
         return _err(500, "internal server error")
 
-    async def read_json() -> Any:
-        raw = await request.get_data()
-        if not raw:
-            raise RequestError("request body is empty")
-        try:
-            return json.loads(raw)
-        except RecursionError as err:
-            raise RequestError("request body is nested too deeply") from err
-        except (ValueError, UnicodeDecodeError) as err:
-            raise RequestError(f"request body is not valid JSON: {err}") from err
+    #: reading, validating, rendering and tokenizing a request run on this thread, not the
+    #: event loop: a 30 MB prompt tokenized there (16 s) froze every stream and /health.
+    #: One thread, so requests are prepared in the order they arrived, as on the loop.
+    preparing = ThreadPoolExecutor(1, thread_name_prefix="ds4jax-prepare")
+
+    async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(preparing, fn, *args)
 
     @app.get("/health")
     async def health() -> Response:
@@ -215,41 +251,44 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
             return _err(404, f"model {model_id!r} not found")
         return Response(json.dumps(model_obj(model_id)), content_type="application/json")
 
+    def counted(raw: bytes) -> int:
+        req = parse_messages_request(decode_json(raw), max_context=engine.max_len)
+        attach_tool_memory(req.conversation, engine.tool_memory.block_for)
+        return len(engine.tokenizer.encode_segments(render(req.conversation)))
+
     @app.post("/v1/messages/count_tokens")
     async def count_tokens() -> Response:
         try:
-            req = parse_messages_request(await read_json(), max_context=engine.max_len)
+            n = await off_loop(counted, await request.get_data())
         except RequestError as err:
             return _client_error(err)
-        attach_tool_memory(req.conversation, engine.tool_memory.block_for)
-        n = len(engine.tokenizer.encode_segments(render(req.conversation)))
         return Response(json.dumps({"input_tokens": n}), content_type="application/json")
 
-    def _submit(body: Any, req: MessagesRequest, api: Api, hint: str | None) -> Job | Response:
-        """Prepare (the decision's evidence, the 400s it finds) and queue a validated,
-        converted request: its job, or the error response."""
-        try:
-            # Claude Code always asks for 32000: anything up to the model's position limit
-            # is clamped to the room left in the context (decoding stops there); beyond it
-            # the value is nonsense. OpenAI bodies may leave it out: the room left.
-            limit = engine.cfg.max_position_embeddings
-            if req.max_tokens is not None and req.max_tokens > limit:
-                raise field_error(req.max_tokens_field, f"{req.max_tokens} exceeds the "
-                                  f"model's maximum ({limit})")  # fmt: skip
-            sampling = SamplingParams(
-                temperature=1.0 if req.temperature is None else float(req.temperature),
-                top_k=req.top_k or 0,
-                top_p=1.0 if req.top_p is None else float(req.top_p),
-                min_p=config.min_p,
-                seed=None if req.seed is None else req.seed % (2**31),
-                logprobs=req.logprobs,
-            )
-            prepared = engine.prepare_request(
-                req, sampling=sampling, hint=hint, api=api,
-                max_tokens=engine.max_len if req.max_tokens is None else None,
-            )  # fmt: skip
-        except RequestError as err:  # an EngineError is one
-            return _client_error(err)
+    def prepared_request(req: MessagesRequest, api: Api, hint: str | None) -> Any:
+        """The decision's evidence and the 400s it finds (`Engine.prepare_request`), off
+        the loop."""
+        # Claude Code always asks for 32000: anything up to the model's position limit is
+        # clamped to the room left in the context (decoding stops there); beyond it the
+        # value is nonsense. OpenAI bodies may leave it out: the room left.
+        limit = engine.cfg.max_position_embeddings
+        if req.max_tokens is not None and req.max_tokens > limit:
+            raise field_error(req.max_tokens_field, f"{req.max_tokens} exceeds the "
+                              f"model's maximum ({limit})")  # fmt: skip
+        sampling = SamplingParams(
+            temperature=1.0 if req.temperature is None else float(req.temperature),
+            top_k=req.top_k or 0,
+            top_p=1.0 if req.top_p is None else float(req.top_p),
+            min_p=config.min_p,
+            seed=None if req.seed is None else req.seed % (2**31),
+            logprobs=req.logprobs,
+        )
+        return engine.prepare_request(
+            req, sampling=sampling, hint=hint, api=api,
+            max_tokens=engine.max_len if req.max_tokens is None else None,
+        )  # fmt: skip
+
+    def _submit(body: Any, prepared: Any) -> Job | Response:
+        """Queue a prepared request: its job, or the error response."""
         job = Job(prepared, asyncio.get_running_loop(), arrived=g.arrived)
         job.forced_tokens = app.config.get("TEST_FORCED_TOKENS_HOOK", lambda _b: None)(body)
         try:
@@ -272,14 +311,19 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
         converted request and the created time)."""
         if config.state != "ready":
             return _err(503, "the model is still loading")
-        try:
-            body = await read_json()
+        hint = next((request.headers[h] for h in hint_headers if request.headers.get(h)), None)
+
+        def read(raw: bytes) -> tuple[Any, Any, Any]:
+            body = decode_json(raw)
             converted = parse(body)
-        except RequestError as err:
+            return body, converted, prepared_request(request_of(converted), api, hint)
+
+        try:
+            body, converted, prepared = await off_loop(read, await request.get_data())
+        except RequestError as err:  # an EngineError is one
             return _client_error(err)
         req = request_of(converted)
-        hint = next((request.headers[h] for h in hint_headers if request.headers.get(h)), None)
-        job = _submit(body, req, api, hint)
+        job = _submit(body, prepared)
         if isinstance(job, Response):
             return job
         if req.stream:

@@ -113,6 +113,8 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--trace", default=None, help="append JSON lines per request to FILE")
     sp.add_argument("--cors", action="store_true", help="send permissive CORS headers")
     sp.add_argument("--queue", type=int, default=16, help="max queued requests (then 503)")
+    sp.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, metavar="N",
+                    help="largest request body read (then 413; default 32 MiB)")  # fmt: skip
     sp.add_argument("--log-level", default="INFO",
                     help="debug also shows the libraries' own lines (Orbax, JAX)")  # fmt: skip
     sp.add_argument("--stats-interval", type=float, default=10.0,
@@ -134,6 +136,27 @@ def check_listen(host: str, port: int) -> None:
         raise SystemExit(f"ds4jax serve: cannot listen on {host}:{port}: {err}") from None
 
 
+#: flags each process of a group may set for itself: where it listens and what it logs
+#: (the leader's alone serve HTTP), and the model's path and download directory (hosts may
+#: keep the same weights at different paths: the engine's settings are compared once they
+#: load)
+PROCESS_FLAGS = frozenset({
+    "host", "port", "process_id", "api_key", "model_name", "trace", "cors", "queue",
+    "max_body_bytes", "log_level", "stats_interval", "kv_disk_space_mb", "model",
+    "download_dir", "command",
+})  # fmt: skip
+
+
+def group_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags every process of a group must share, as `--flag value`; --kv-disk-dir by
+    whether it is set (each host has its own directory; a follower without one would not
+    replay the leader's disk restores)."""
+    out = {f"--{k.replace('_', '-')}": v for k, v in sorted(vars(args).items())
+           if k not in PROCESS_FLAGS and not callable(v)}  # fmt: skip
+    out["--kv-disk-dir"] = "set" if args.kv_disk_dir else "unset"
+    return out
+
+
 def check_flags(args: argparse.Namespace) -> None:
     """The sizes no server can run with, refused before it reports ready."""
     if args.sessions < 1:
@@ -146,6 +169,8 @@ def check_flags(args: argparse.Namespace) -> None:
     if not args.stats_interval >= 0:  # -1 ran as 0 (no line) unsaid; NaN too
         raise SystemExit(f"ds4jax serve: --stats-interval {args.stats_interval}: seconds ≥ 0 "
                          "(0: no stats line)")  # fmt: skip
+    if args.max_body_bytes < 1:
+        raise SystemExit(f"ds4jax serve: --max-body-bytes {args.max_body_bytes}: at least 1")
     if args.queue < 1:  # else an idle server answers every request 503 "busy"
         raise SystemExit(f"ds4jax serve: --queue {args.queue}: at least 1 request may wait")
     if args.api_key == "":  # an unset variable expanded empty: never serve open by mistake
@@ -390,9 +415,11 @@ def serve(args: argparse.Namespace) -> int:
         from ds4jax import distributed
 
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        distributed.agree("flags", group_flags(args))  # before the weights load
     engine, banner = build_engine(args)
     print(f"ds4jax: {banner}", file=sys.stderr, flush=True)
     if group:
+        distributed.agree("engine settings", distributed.engine_settings(engine))
         channel = distributed.Channel()
         if args.process_id:
             if args.kv_disk_dir:
@@ -409,6 +436,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.trace:
         worker.hooks.append(trace_hook(args.trace))
     config = ServerConfig(model_name=args.model_name, api_key=args.api_key, cors=args.cors,
+                          max_body_bytes=args.max_body_bytes,
                           info=served_info(args, engine))  # fmt: skip
     if args.kv_disk_dir:  # Responses reasoning seals stay valid across restarts
         config.seal = ReasoningSeal.in_dir(args.kv_disk_dir)

@@ -203,6 +203,7 @@ def test_every_readme_command_parses() -> None:
     ("queue", 0, "--queue 0: at least 1 request may wait"),
     ("api_key", "", "--api-key .or DS4JAX_API_KEY. is empty"),
     ("stats_interval", -1.0, "--stats-interval -1.0: seconds ≥ 0"),
+    ("max_body_bytes", 0, "--max-body-bytes 0: at least 1"),
 ])  # fmt: skip
 def test_serve_refuses_sizes_no_server_runs_with(flag: str, value: object, says: str) -> None:
     """Refused before the server reports ready (`--ctx -1` served, then refused every request
@@ -217,6 +218,7 @@ def test_serve_refuses_sizes_no_server_runs_with(flag: str, value: object, says:
         "queue": 16,
         "api_key": None,
         "stats_interval": 10.0,
+        "max_body_bytes": 1 << 25,
     }
     with pytest.raises(SystemExit, match=says):
         check_flags(argparse.Namespace(**{**ok, flag: value}))

@@ -133,7 +133,7 @@ def responses_request(
         "tool_choice": dumped.get("tool_choice") or "auto",
         "parallel_tool_calls": r.parallel_tool_calls is not False,
         "instructions": r.instructions if isinstance(r.instructions, str) else None,
-        "metadata": (r.model_extra or {}).get("metadata") or {},
+        "metadata": r.metadata or {},
         "reasoning": {"effort": r.reasoning.effort if r.reasoning else None,
                       "summary": summary},
         "max_output_tokens": r.max_output_tokens,

@@ -6,6 +6,7 @@ negative cases) with no 5xx and the server still serving."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -79,6 +80,18 @@ BAD_TOOL = {
 }  # fmt: skip
 
 
+def _deep(path: str, depth: int) -> bytes:
+    """A valid body whose tool schema nests `depth` objects."""
+    schema = '{"a": ' * depth + "1" + "}" * depth
+    tool = {
+        MESSAGES: '{"name": "t", "input_schema": %s}',
+        RESPONSES: '{"type": "function", "name": "t", "parameters": %s}',
+        CHAT: '{"type": "function", "function": {"name": "t", "parameters": %s}}',
+    }[path] % schema
+    body = json.dumps(valid(path))
+    return (body[:-1] + ', "tools": [' + tool + "]}").encode()
+
+
 def probes(path: str) -> dict[str, tuple[int, bytes | dict[str, Any], str | None]]:
     """name → (status, body, the field the error must name) for one API."""
     msgs = CONTENT_KEY[path]
@@ -89,6 +102,11 @@ def probes(path: str) -> dict[str, tuple[int, bytes | dict[str, Any], str | None
         "empty-body": (400, b"", None),
         "json-null": (400, b"null", None),
         "deep-nesting": (400, b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}", None),
+        # parsed, but deeper than rendering a schema back to JSON (~970 levels) or the
+        # Responses echo (255) could take: those were 500s
+        "nesting-past-the-limit": (400, _deep(path, 300), None),
+        "nesting-near-the-parse-limit": (400, _deep(path, 960), None),
+        "nan-in-an-ignored-field": (400, b'{"x": NaN}', None),
         "stream-string": (400, valid(path, stream="yes"), "stream"),
         "nan-temperature": (
             400,
@@ -181,6 +199,20 @@ def probes(path: str) -> dict[str, tuple[int, bytes | dict[str, Any], str | None
                 "stream_options",
             ),
             "presence_penalty": (400, valid(path, presence_penalty=1.0), "presence_penalty"),
+            "functions": (400, valid(path, functions=[{"name": "add"}]), "functions"),
+            "function_call": (400, valid(path, function_call="auto"), "function_call"),
+            "assistant-function_call": (
+                400,
+                valid(
+                    path,
+                    messages=[
+                        {"role": "user", "content": "hi"},
+                        {"role": "assistant", "function_call": {"name": "add"}},
+                        {"role": "user", "content": "and?"},
+                    ],
+                ),
+                "messages[1].function_call",
+            ),
             "json_schema-format": (
                 400,
                 valid(path, response_format={"type": "json_schema"}),
@@ -206,6 +238,8 @@ def probes(path: str) -> dict[str, tuple[int, bytes | dict[str, Any], str | None
                 "input[0].type",
             ),
             "top_logprobs": (400, valid(path, top_logprobs=3), "top_logprobs"),
+            "metadata-not-a-map": (400, valid(path, metadata=[1, 2]), "metadata"),
+            "metadata-not-strings": (400, valid(path, metadata={"a": 1}), "metadata.a"),
         }
     return out
 
@@ -385,3 +419,35 @@ def test_schemathesis_finds_no_5xx(
     assert resp.status_code == 200, resp.text
     if mode is GenerationMode.POSITIVE:  # valid bodies mostly pass (some name unknown ids)
         assert statuses.get(200, 0) > 0, statuses
+
+
+def test_a_long_prompt_tokenizes_off_the_event_loop(worker: EngineWorker) -> None:
+    """A multi-megabyte prompt is read, rendered and tokenized on the preparing thread,
+    the tokenizer letting go of the GIL: the server answers probes all the while (on the
+    loop, a 30 MB prompt's 16 s of tokenizing stopped every stream and /health)."""
+    body = json.dumps(valid(MESSAGES, messages=[
+        {"role": "user", "content": "hello world " * 400_000}]))  # fmt: skip
+    sent, done = threading.Event(), threading.Event()
+    answer: list[Any] = []
+
+    def chunks() -> Any:
+        for i in range(0, len(body), 1 << 16):
+            yield body[i : i + (1 << 16)].encode()
+        sent.set()
+
+    def post(url: str) -> None:
+        answer.append(requests.post(url + MESSAGES, data=chunks(), timeout=300,
+                                    headers={"content-type": "application/json"}))  # fmt: skip
+        done.set()
+
+    with ThreadServer(make_app(worker)) as server:
+        thread = threading.Thread(target=post, args=(server.url,))
+        thread.start()
+        assert sent.wait(120)
+        probes = 0
+        while not done.is_set():
+            assert requests.get(server.url + "/health", timeout=300).status_code == 200
+            probes += not done.is_set()
+        thread.join()
+    assert answer[0].status_code == 400 and "prompt is too long" in answer[0].text
+    assert probes >= 5, probes  # on the loop: none until the prompt's answer

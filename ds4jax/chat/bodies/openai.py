@@ -5,10 +5,12 @@ work. `ds4jax.chat.chat_completions` and `ds4jax.chat.responses` translate them.
 
 Refused by name (400), where ignoring would mislead: image, audio and file inputs in a
 message, `n` > 1, penalties and `logit_bias` other than neutral, structured output formats,
-audio output, unknown tool and item types, `previous_response_id` / `conversation` (the server
-keeps no response objects), Responses `top_logprobs`. Accepted and ignored (documented in
-docs/clients.md): `metadata`, `store`, `service_tier`, `user`, `include`, `truncation`,
-`client_metadata` and any field not listed. Hosted tools of the Responses API
+audio output, unknown tool and item types, Chat's deprecated `functions` / `function_call`
+(and an assistant message's `function_call`), `previous_response_id` / `conversation` (the
+server keeps no response objects), Responses `top_logprobs`. Accepted and ignored
+(documented in docs/clients.md): `metadata` (a string map; Responses echoes it), `store`,
+`service_tier`, `user`, `include`, `truncation`, `client_metadata` and any field not
+listed. Hosted tools of the Responses API
 (`web_search`, `file_search`, …) are left out of the prompt: Codex declares them by default.
 """
 
@@ -128,6 +130,9 @@ class Sampling(Body):
     parallel_tool_calls: bool | None = None
     #: a routing tie-break (Codex: the thread id), like Anthropic's `metadata.user_id`
     prompt_cache_key: str | None = None
+    #: OpenAI's string map, echoed by Responses (so checked: a NaN or a list echoed back
+    #: is a reply the client cannot read)
+    metadata: dict[str, str] | None = None
 
     def _named_tool(self, names: set[str]) -> None:
         choice = self.tool_choice
@@ -238,6 +243,25 @@ class ChatBody(Sampling):
     reasoning_effort: Effort | None = None
     #: ds4's boolean thinking switch
     think: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy(cls, value: Any) -> Any:
+        """The deprecated `functions` / `function_call` are refused by name: ignored, the
+        model would never see the tools the client declared."""
+        if not isinstance(value, dict):
+            return value
+        legacy = [("functions", "tools", value), ("function_call", "tool_choice", value)]
+        messages = value.get("messages")
+        for i, m in enumerate(messages if isinstance(messages, list) else []):
+            legacy.append((f"messages[{i}].function_call", "tool_calls", m))
+        for where, now, holder in legacy:
+            key = where.rsplit(".", 1)[-1]
+            if isinstance(holder, dict) and holder.get(key) is not None:
+                raise field_error(where, "").with_message(
+                    f"{where} (deprecated) is not supported; send {now} instead"
+                )
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatBody:
