@@ -24,6 +24,7 @@ process dies may never return; the exit does not wait for it.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import pickle
@@ -68,6 +69,50 @@ def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
     jax.distributed.initialize(
         coordinator, num_processes, process_id, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S
     )
+
+
+#: seconds a process waits for the others' settings at start-up (they all passed
+#: `initialize`, which waits for the whole group, so they are close behind)
+AGREE_TIMEOUT_S = 300
+
+
+def agree(what: str, settings: dict[str, Any], client: Any = None,
+          timeout_s: float = AGREE_TIMEOUT_S) -> None:  # fmt: skip
+    """Refuse to go on unless every process of the group has the same `settings` (`what`
+    names them in the refusal): a follower replays the leader's operations against its own
+    settings, so one started with another --ctx or --sessions served until the first
+    request they route differently, then hung in a collective forever or aborted both
+    processes. Each process publishes its own; the leader compares every follower's, each
+    follower the leader's, so every process of a mismatched group exits with the
+    difference named."""
+    client = client if client is not None else _client()
+    me, n = jax.process_index(), jax.process_count()
+    key = "ds4jax/agree/" + what.replace(" ", "-") + "/{}"
+    mine = {k: str(v) for k, v in settings.items()}
+    client.key_value_set(key.format(me), json.dumps(mine, sort_keys=True))
+    for other in range(1, n) if me == 0 else [0]:
+        theirs = json.loads(client.blocking_key_value_get(key.format(other),
+                                                          int(timeout_s * 1000)))  # fmt: skip
+        keys = sorted(mine.keys() | theirs.keys())
+        differ = [f"{k}: {mine.get(k)} here, {theirs.get(k)} on process {other}"
+                  for k in keys if mine.get(k) != theirs.get(k)]  # fmt: skip
+        if differ:
+            raise SystemExit(f"ds4jax serve: process {me} and process {other} of the group "
+                             f"differ in {what} ({'; '.join(differ)}): every process must be "
+                             "started with the same ones")  # fmt: skip
+
+
+def engine_settings(engine: Engine) -> dict[str, Any]:
+    """What a follower's engine must share with the leader's to replay its operations:
+    the model's shape and the pool's and batch's sizes, which flags and each host's own
+    memory (a default state budget) decide."""
+    pages = engine.pages.pool.num_pages if engine.pages is not None else None
+    return {
+        "model config": engine.cfg, "context": engine.max_len,
+        "chunk sizes": engine.chunk_sizes, "sessions": len(engine.pool.sessions),
+        "state budget": engine.pool.budget, "pages": pages, "max batch": engine.max_batch,
+        "stall bound": engine.stall_bound, "burst": engine.burst,
+    }  # fmt: skip
 
 
 def _client() -> Any:

@@ -174,3 +174,27 @@ def test_a_dead_follower_ends_the_group(served_group: ServeGroup) -> None:
     assert leader.proc.poll() not in (None, 0), "the leader did not exit non-zero in 60 s"
     assert 503 in codes or 0 in codes, codes
     assert "process 1 of the group stopped" in leader.stderr
+
+
+def test_a_group_started_with_different_flags_refuses_to_serve() -> None:
+    """A follower replays the leader's operations against its own settings: one started
+    with other --sessions served until the first request the two routed differently, then
+    both processes aborted in a collective (another --ctx: hung for good, health still
+    "ready"). Now each process compares the group's flags before the weights load, and
+    every process exits non-zero naming the difference."""
+    from tests.serve.conftest import free_port
+
+    group = ("--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2",
+             "--mesh", "data=2")  # fmt: skip
+    env = {"JAX_NUM_CPU_DEVICES": "1", "DS4JAX_HEARTBEAT_TIMEOUT_S": "15"}
+    follower = ServeProcess(*group, "--process-id", "1", "--sessions", "1", model=(), env=env)
+    leader = ServeProcess(*group, "--process-id", "0", "--sessions", "2", model=(), env=env)
+    try:
+        for p in (leader, follower):
+            p.proc.wait(180)
+    finally:
+        codes = [leader.stop(), follower.stop()]
+    assert all(c not in (None, 0) for c in codes), (codes, leader.stderr, follower.stderr)
+    assert "--sessions: 2 here, 1 on process 1" in leader.stderr, leader.stderr
+    assert "--sessions: 1 here, 2 on process 0" in follower.stderr, follower.stderr
+    assert not leader.ready.is_set() and "ds4jax: model" not in leader.stderr
