@@ -52,6 +52,10 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     """`piece` is the vocabulary's own string (byte-level: "Ġw" for " w"); `text` the bytes
     it stands for, as text — a byte of a character split across tokens as `\\xNN`."""
     tok = load_tokenizer(args.tokenizer)
+    try:
+        args.text.encode("utf-8")
+    except UnicodeEncodeError as err:  # argv bytes that are not UTF-8 (surrogate-escaped)
+        raise ValueError(f"--text is not UTF-8 text: {err.reason} at {err.start}") from err
     for tid in tok.encode_text(args.text):
         text = tok.token_bytes(tid).decode("utf-8", errors="backslashreplace")
         print(json.dumps({"id": tid, "piece": tok.piece(tid), "text": text}, ensure_ascii=False))

@@ -98,6 +98,10 @@ class Result:
     logprobs: list[TokenLogprob] | None = None
     #: of `output_tokens`, those of the reasoning (through its `</think>`)
     reasoning_tokens: int = 0
+    #: the token ids the state it left holds (its live frontier's): the first
+    #: `prompt_tokens` of them are the prompt as evaluated — on a live continuation the
+    #: sampled ids, whatever the client's history renders to (`--trace` writes both)
+    evaluated: tuple[int, ...] = ()
 
     @property
     def prompt_tokens(self) -> int:
@@ -360,6 +364,7 @@ class RowDecoder:
             raw_text=raw,
             logprobs=self.logprobs,
             reasoning_tokens=self._reasoning_tokens(),
+            evaluated=live.tokens,
         )
 
     def _reasoning_tokens(self) -> int:

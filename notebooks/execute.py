@@ -2,7 +2,7 @@
 
     .venv/bin/python notebooks/execute.py notebooks/continuation_fidelity.ipynb --inplace
     .venv/bin/python notebooks/execute.py notebooks/continuation_fidelity.ipynb \\
-        -p MODEL ../models/demo -p N_CONVERSATIONS 8 --output /tmp/fidelity.ipynb
+        -p MODEL ../configs/demo -p N_CONVERSATIONS 8 --output /tmp/fidelity.ipynb
 
 Parameters work as in papermill: a code cell assigning them is inserted right after the cell
 tagged `parameters`, so the notebook's defaults stay visible and the override is recorded.

@@ -108,8 +108,9 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
                     "prompt prefix, so a restart or an evicted session resumes without a "
                     "cold prefill (default: no disk cache)")  # fmt: skip
     sp.add_argument("--kv-disk-space-mb", type=int, default=4096,
-                    help="MiB --kv-disk-dir may hold; least recently used checkpoints "
-                    "go first")  # fmt: skip
+                    help="MiB --kv-disk-dir may hold; past it, the checkpoints of lowest "
+                    "ds4 score go first (recent hits, decaying, times tokens per byte; "
+                    "never the one just written)")  # fmt: skip
     sp.add_argument("--trace", default=None, help="append JSON lines per request to FILE")
     sp.add_argument("--cors", action="store_true", help="send permissive CORS headers")
     sp.add_argument("--queue", type=int, default=16, help="max queued requests (then 503)")
@@ -320,19 +321,27 @@ def paged_pool_size(cfg: Any, ctx: int, budget: int, max_batch: int) -> int:
     return -(-budget // page_bytes(cfg, cfg.state_dtype)) + 3 * max_batch * pages_for(ctx) + 1
 
 
-def trace_hook(path: str):
+def trace_hook(path: str, tokenizer: Any):
     """`--trace`: one JSON line per finished request, its path named as the log line and
-    `/metrics` name it (`cold`, `fork_point`, `live_tool_ids`…: `SOURCE_LABELS`)."""
+    `/metrics` name it (`cold`, `fork_point`, `live_tool_ids`…: `SOURCE_LABELS`). `prompt`
+    and `prompt_tokens` are what the engine evaluated — on a live continuation the state's
+    own sampled ids, its reasoning included, whatever the client sent back; where the
+    client's history renders otherwise, `client_prompt` / `client_prompt_tokens` hold that
+    (a study of the fallbacks needs both)."""
 
     def write(job: Any, result: Any) -> None:
-        rec = {
-            "time": time.time(),
-            "prompt": "".join(s.text for s in job.prepared.view.segments),
-            "prompt_tokens": job.prepared.prompt_tokens,
-        }
+        client = "".join(s.text for s in job.prepared.view.segments)
+        rec = {"time": time.time(), "prompt": client,
+               "prompt_tokens": job.prepared.prompt_tokens}  # fmt: skip
         if isinstance(result, Exception):
             rec["error"] = repr(result)
         else:
+            if result.evaluated:
+                ids = result.evaluated[: result.prompt_tokens]
+                rec["prompt"], rec["prompt_tokens"] = tokenizer.decode(list(ids)), len(ids)
+                if rec["prompt"] != client or len(ids) != job.prepared.prompt_tokens:
+                    rec["client_prompt"] = client
+                    rec["client_prompt_tokens"] = job.prepared.prompt_tokens
             rec |= {
                 "source": SOURCE_LABELS[result.source],
                 "session": result.session,
@@ -434,7 +443,7 @@ def serve(args: argparse.Namespace) -> int:
     worker = EngineWorker(engine, max_queue=args.queue)
     worker.hooks.append(lambda job, result: log.info("%s", logs.request_line(job, result)))
     if args.trace:
-        worker.hooks.append(trace_hook(args.trace))
+        worker.hooks.append(trace_hook(args.trace, engine.tokenizer))
     config = ServerConfig(model_name=args.model_name, api_key=args.api_key, cors=args.cors,
                           max_body_bytes=args.max_body_bytes,
                           info=served_info(args, engine))  # fmt: skip

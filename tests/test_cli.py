@@ -244,3 +244,14 @@ def test_serve_refuses_where_it_cannot_listen_before_loading() -> None:
     with pytest.raises(SystemExit, match=r"cannot listen on no\.such\.host\.invalid"):
         check_listen("no.such.host.invalid", 8000)
     check_listen("127.0.0.1", 0)
+
+
+def test_tokenize_refuses_bad_text_and_a_bad_tokenizer_in_a_line(tmp_path: Path) -> None:
+    """Argv bytes that are not UTF-8, and a tokenizer.json the library cannot read, are a
+    one-line error (they were raw TypeError / "Model missing." tracebacks)."""
+    junk = tmp_path / "tokenizer.json"
+    junk.write_text("{}")
+    for args in (("--text", b"ab\xffc"), ("--tokenizer", str(junk), "--text", "hi")):
+        out = run("tokenize", *args)  # type: ignore[arg-type]
+        assert out.returncode == 1 and b"Traceback" not in out.stderr, out.stderr
+        assert out.stderr.count(b"\n") == 1, out.stderr

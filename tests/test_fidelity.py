@@ -5,6 +5,7 @@ state-dtype drift along a demo tool loop on the trained demo model."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -156,6 +157,16 @@ def test_summary_and_table(measured: fidelity.ConversationResult) -> None:
     counts = fidelity.factor_counts(report)
     assert counts["conversations"] == 2
     assert sum(counts[f"client {c}"] for c in fidelity.CLIENTS) == 2
+    # the conclusion is written from the run's figures, not typed in beside them
+    text = fidelity.conclusions(report, rows)
+    by = {r.kind: r for r in rows}
+    assert text.startswith("From this run (2 conversations")
+    assert "**The live path is exact.**" in text
+    for kind in ("a", "b", "c", "b+c", "a+b+c"):
+        assert f"{by[kind].kl_first_mean:.3g}" in text
+    assert f"{by['a+b+c'].shared_fraction_mean:.1%}" in text
+    broken = [replace(r, kl_all_mean=0.1) if r.kind == "exact" else r for r in rows]
+    assert "NOT exact" in fidelity.conclusions(report, broken)
 
 
 # ------------------------------------------------- state-dtype drift, on the trained demo model

@@ -151,4 +151,10 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
         from ds4jax.chat.spm_tokenizer import SpmTokenizer
 
         return SpmTokenizer(p)
-    return V4Tokenizer(p)
+    try:
+        return V4Tokenizer(p)
+    except Exception as err:  # the tokenizers library's own: "Model missing." and the like
+        if isinstance(err, OSError):
+            raise
+        raise ValueError(f"{p} is not a tokenizer.json the tokenizers library reads: "
+                         f"{err}") from err  # fmt: skip

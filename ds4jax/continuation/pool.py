@@ -30,8 +30,10 @@ Steps 3–5 take an empty slot if there is one, else the least recently used one
 waiting for tool results, else the least recently used (its live frontier the engine saves
 to disk first when a store is configured), so a request that merely shares a system prompt
 never takes a live session while an empty slot exists.
-A client hint (Claude Code's `metadata.user_id`, an `x-session-id` header) breaks ties
-between equally deep matches only.
+Between equally deep matches the better path wins (`_rank`: thinking-visible, then an
+exact token prefix, then a live text prefix — sampled ids over a retokenization), then a
+client hint (Claude Code's `metadata.user_id`, an `x-session-id` header), then the most
+recently used session.
 
 The budget bounds the bytes of the distinct retained states (live frontiers and fork
 points; paged states by the distinct pages they hold); `evictions` drops fork points least

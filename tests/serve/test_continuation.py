@@ -13,6 +13,7 @@ import pytest
 
 from ds4jax.engine import Engine
 from serve.app import ServerConfig
+from serve.main import trace_hook
 from serve.worker import EngineWorker
 from tests.serve.conftest import (
     MODEL,
@@ -400,3 +401,37 @@ async def test_queued_stream_starts_with_message_start(
 ) -> None:
     kinds = await queued_stream(worker, gate)
     assert kinds[0] == "message_start"
+
+
+async def test_the_trace_records_what_was_evaluated_when_the_client_drops_thinking(
+    client: anthropic.AsyncAnthropic, worker: EngineWorker, engine: Engine, tmp_path: Any
+) -> None:
+    """A client that sends the tool-use turn back without its thinking block still
+    continues the live state, reasoning and all: the trace's `prompt` is that state's text
+    (it was the client's render, 7 tokens short of the usage, the reasoning missing), the
+    client's render kept beside it as `client_prompt`."""
+    path = tmp_path / "trace.jsonl"
+    worker.hooks.append(trace := trace_hook(str(path), engine.tokenizer))
+    try:
+        first = await tool_turn(client)
+        tid = first.content[-1].id
+        dropped = [b.model_dump(exclude_none=True) for b in first.content if b.type != "thinking"]
+        history = [*user("list the files"), {"role": "assistant", "content": dropped},
+                   result_turn(tid)]  # fmt: skip
+        second = await client.messages.create(
+            model=MODEL, max_tokens=16, system=SYSTEM, tools=TOOLS, messages=history,
+            extra_body=force("Two files.</think>There are two files."),
+        )  # fmt: skip
+    finally:
+        worker.hooks.remove(trace)
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    rec = recs[-1]
+    u = second.usage
+    assert rec["source"] == "live_tool_ids"
+    assert rec["prompt_tokens"] == u.input_tokens + u.cache_read_input_tokens
+    assert rec["prompt_tokens"] == rec["cached"] + rec["prefilled"]
+    assert "I should run it." in rec["prompt"]  # the sampled reasoning, as evaluated
+    assert "I should run it." not in rec["client_prompt"]
+    assert rec["client_prompt_tokens"] < rec["prompt_tokens"]
+    assert "client_prompt" not in recs[0]  # a cold request: what it sent is what ran
+    assert recs[0]["prompt_tokens"] == first.usage.input_tokens

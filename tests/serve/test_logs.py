@@ -49,7 +49,7 @@ async def test_the_request_line_and_the_stats_of_a_real_request(
     path alike (the trace said `none` for what the others call `cold`)."""
     app = make_app(worker)
     lines: list[str] = []
-    trace = trace_hook(str(tmp_path / "trace.jsonl"))
+    trace = trace_hook(str(tmp_path / "trace.jsonl"), engine.tokenizer)
 
     def hook(job: Any, result: Any) -> None:
         lines.append(logs.request_line(job, result))
@@ -114,3 +114,16 @@ def test_the_served_demo_logs_requests_and_stats_and_no_library_chatter(
     assert "ds4jax.serve: request api=messages " in err and "ds4jax.serve: stats: " in err
     assert "absl" not in err and "Unable to initialize backend" not in err
     assert err.count("Running on http://") == 1
+
+
+def test_the_documented_path_names_are_the_labels_the_server_uses() -> None:
+    """docs/operating.md maps each decision name (`CacheSource`: the decision log line,
+    /health's hits) to its label (/metrics, the request line, the trace): one table, read
+    against `SOURCE_LABELS`."""
+    import re
+
+    from serve.metrics import SOURCE_LABELS
+
+    doc = (Path(__file__).parents[2] / "docs" / "operating.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^  \| `([a-z-]+)` \| `([a-z_]+)` \|$", doc, re.M))
+    assert rows == {k.value: v for k, v in SOURCE_LABELS.items()}
