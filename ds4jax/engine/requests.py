@@ -39,7 +39,8 @@ def prompt_too_long(tokens: int, max_len: int, api: str) -> EngineError:
     (`n_prompt_tokens`, `n_ctx`, as ds4 sends them): an agent tests the code, or Anthropic's
     "prompt is too long", to compact its history and retry."""
     return EngineError(
-        400, f"prompt is too long: {tokens} tokens, the context is {max_len}",
+        400, f"prompt is too long: {tokens} tokens, the context is {max_len}"
+        + (" (a prompt must leave room for a token of reply)" if tokens == max_len else ""),
         param="input" if api == Api.RESPONSES else "messages", code="context_length_exceeded",
         fields={"n_prompt_tokens": tokens, "n_ctx": max_len},
     )  # fmt: skip

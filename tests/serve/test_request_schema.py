@@ -172,6 +172,11 @@ def probes(path: str) -> dict[str, tuple[int, bytes | dict[str, Any], str | None
         "max-tokens-past-the-model": (400, valid(path, **{max_key: 10**6}), max_key),
     }
     if path == MESSAGES:
+        out["document-source-a-string"] = (
+            400,
+            user_parts(path, [{"type": "document", "source": "text"}]),
+            "messages[0].content[0]: a document needs a source object",
+        )
         out["user-without-content"] = (400, valid(path, messages=[{"role": "user"}]),
                                        "messages[0].content")  # fmt: skip
         out["lone-surrogate-in-a-tool-schema"] = (
@@ -200,6 +205,15 @@ def probes(path: str) -> dict[str, tuple[int, bytes | dict[str, Any], str | None
             ),
             "presence_penalty": (400, valid(path, presence_penalty=1.0), "presence_penalty"),
             "functions": (400, valid(path, functions=[{"name": "add"}]), "functions"),
+            "tool_choice-function-without-a-name": (
+                400,
+                valid(
+                    path,
+                    tools=[{"type": "function", "function": {"name": "a"}}],
+                    tool_choice={"type": "function"},
+                ),
+                "tool_choice",
+            ),
             "function_call": (400, valid(path, function_call="auto"), "function_call"),
             "assistant-function_call": (
                 400,
@@ -451,3 +465,12 @@ def test_a_long_prompt_tokenizes_off_the_event_loop(worker: EngineWorker) -> Non
         thread.join()
     assert answer[0].status_code == 400 and "prompt is too long" in answer[0].text
     assert probes >= 5, probes  # on the loop: none until the prompt's answer
+
+
+def test_a_prompt_of_exactly_the_context_says_no_room_is_left() -> None:
+    from ds4jax.engine.requests import prompt_too_long
+
+    assert str(prompt_too_long(9, 8, "messages")).endswith("9 tokens, the context is 8")
+    assert str(prompt_too_long(8, 8, "messages")).endswith(
+        "8 tokens, the context is 8 (a prompt must leave room for a token of reply)"
+    )

@@ -65,6 +65,12 @@ class DocumentBlock(Body):
     @classmethod
     def _text_only(cls, value: Any) -> Any:
         source = value.get("source") if isinstance(value, dict) else None
+        if isinstance(value, dict) and not isinstance(source, dict):
+            raise PydanticCustomError(
+                "source",
+                'a document needs a source object ({"type": "text", …}), not {got}',
+                {"got": "nothing" if source is None else type(source).__name__},
+            )
         kind = source.get("type") if isinstance(source, dict) else None
         if kind not in ("text", "content"):
             raise PydanticCustomError(

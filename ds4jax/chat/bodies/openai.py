@@ -136,6 +136,8 @@ class Sampling(Body):
 
     def _named_tool(self, names: set[str]) -> None:
         choice = self.tool_choice
+        if isinstance(choice, FunctionChoice) and choice.tool is None:
+            raise field_error("tool_choice", "a function choice names its tool")
         if isinstance(choice, FunctionChoice) and choice.tool not in names:
             raise field_error("tool_choice.name", f"no tool named {choice.tool!r}")
         required = choice == "required" or getattr(choice, "type", None) == "required"
