@@ -254,6 +254,10 @@ class FollowerStore:
         return None  # process 0 keeps the checkpoints
 
 
+class GroupStuck(RuntimeError):
+    """The leader's clean exit found a step that never returned (`Leader.shutdown`)."""
+
+
 class Leader:
     """Process 0's engine, as the server's worker sees it: `submit`, `tick`, `abort`,
     `warm_up` and `shutdown` publish before they run; everything else is the engine's."""
@@ -324,10 +328,17 @@ class Leader:
     def shutdown(self) -> None:
         """The group's clean exit: every process runs the engine's shutdown (its saves),
         then the followers leave the coordination service before the leader, which hosts
-        it, takes it down."""
-        if self._watchdog is not None:
-            self._watchdog.stop()
-        with self._lock:
+        it, takes it down. A step that has not returned within `STOP_TIMEOUT_S` (stuck in a
+        collective with a process that is gone or out of step) raises `GroupStuck`: the
+        exit cannot be clean, and must not wait for it forever. The watchdog runs until
+        the last step has returned, so a process dying meanwhile is still reported."""
+        if not self._lock.acquire(timeout=STOP_TIMEOUT_S):
+            raise GroupStuck(f"a step has not returned in {STOP_TIMEOUT_S} s: a process of "
+                             "the group is stuck or gone, so the group cannot stop "
+                             "cleanly")  # fmt: skip
+        try:
+            if self._watchdog is not None:
+                self._watchdog.stop()
             self.channel.publish(("shutdown",))
             self.engine.shutdown()
             self.channel.client.wait_at_barrier(_STOP_BARRIER, STOP_TIMEOUT_S * 1000)
@@ -335,6 +346,8 @@ class Leader:
             deadline = time.monotonic() + STOP_TIMEOUT_S
             while not followers <= set(self.channel.dead()) and time.monotonic() < deadline:
                 time.sleep(0.05)
+        finally:
+            self._lock.release()
 
 
 def follow(engine: Engine, channel: Channel, poll_s: float = 1.0) -> int:

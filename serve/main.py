@@ -499,7 +499,14 @@ def serve(args: argparse.Namespace) -> int:
         # that ended otherwise) cancel the running requests at their next step, refuse the
         # queued ones, then let the store keep the live frontiers (the shutdown save)
         await loop.run_in_executor(None, worker.stop)
-        await loop.run_in_executor(None, engine.shutdown)
+        try:
+            await loop.run_in_executor(None, engine.shutdown)
+        except Exception as err:  # a group whose step never returned (`GroupStuck`)
+            if not group:
+                raise
+            print(f"ds4jax: {err}; exiting without the shutdown save", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            os._exit(1)  # the stuck step's thread cannot be joined
         print("ds4jax: stopped", file=sys.stderr, flush=True)
 
     asyncio.run(main())

@@ -106,3 +106,29 @@ def test_tool_ids_follow_the_request_nonce() -> None:
     # an id already taken is skipped, as with `secrets`
     c = id_stream(b"k" * 16)
     assert new_tool_id([ids[0]], "toolu_", c) == ids[1]
+
+
+def test_the_leaders_exit_gives_up_on_a_step_that_never_returns(
+    _engine: Engine, monkeypatch: Any
+) -> None:
+    """A step stuck in a collective (a process gone or out of step) held the leader's lock
+    for good, and its SIGTERM waited on it forever (minutes, until the follower was
+    killed): the clean exit now gives up after `STOP_TIMEOUT_S`, saying why, and nothing
+    is published to the followers."""
+    import pytest
+
+    from ds4jax import distributed
+
+    monkeypatch.setattr(distributed, "STOP_TIMEOUT_S", 0.2)
+    channel = MemoryChannel()
+    leader = Leader(pool_engine(_engine), channel)  # type: ignore[arg-type]
+    stuck = threading.Event()
+    holder = threading.Thread(target=lambda: leader._lock.acquire() and stuck.wait(10))
+    holder.start()
+    try:
+        with pytest.raises(distributed.GroupStuck, match="cannot stop cleanly"):
+            leader.shutdown()
+        assert channel.ops.empty()
+    finally:
+        stuck.set()
+        holder.join()
