@@ -59,16 +59,28 @@ _KEY = "ds4jax/op/{}"
 _STOP_BARRIER = "ds4jax/stop"
 
 
+#: seconds `initialize` waits for every process of the group to join (env
+#: `DS4JAX_JOIN_TIMEOUT_S`); past it the runtime ends the process, non-zero
+JOIN_TIMEOUT_S = int(os.environ.get("DS4JAX_JOIN_TIMEOUT_S", "300"))
+
+
 def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
     """`jax.distributed.initialize` before any other JAX call. On CPU each process takes
-    `JAX_NUM_CPU_DEVICES` devices (JAX reads it) and collectives go through gloo."""
+    `JAX_NUM_CPU_DEVICES` devices (JAX reads it) and collectives go through gloo. A
+    loopback coordinator (127.0.0.1, localhost: a group on one machine) is served on that
+    address only, not on every interface as JAX's default: the operations it carries are
+    for the group alone."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # a dead process is reported (`Channel.dead`, the `Watchdog`) rather than aborting every
     # other process from inside the runtime: the server says which one and exits itself
     jax.config.update("jax_enable_recoverability", True)
+    host = coordinator.rsplit(":", 1)[0].strip("[]")
+    loopback = host == "localhost" or host == "::1" or host.startswith("127.")
     jax.distributed.initialize(
-        coordinator, num_processes, process_id, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S
-    )
+        coordinator, num_processes, process_id, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+        initialization_timeout=JOIN_TIMEOUT_S + 60,  # past `serve`'s own timer: its line
+        coordinator_bind_address=coordinator if loopback else None,
+    )  # fmt: skip
 
 
 #: seconds a process waits for the others' settings at start-up (they all passed

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from typing import Any
 
@@ -423,7 +424,22 @@ def serve(args: argparse.Namespace) -> int:
             )
         from ds4jax import distributed
 
+        print(f"ds4jax: joining the group at {args.coordinator} as process "
+              f"{args.process_id} of {args.num_processes} (waiting up to "
+              f"{distributed.JOIN_TIMEOUT_S} s for every process: DS4JAX_JOIN_TIMEOUT_S)",
+              file=sys.stderr, flush=True)  # fmt: skip
+        # the runtime's own timeout aborts the process from C++ with a stack dump: this
+        # timer says it first, in one line, and exits 2
+        late = threading.Timer(distributed.JOIN_TIMEOUT_S, lambda: (print(
+            f"ds4jax serve: not every process of the group joined {args.coordinator} within "
+            f"{distributed.JOIN_TIMEOUT_S} s ({args.num_processes} expected); exiting",
+            file=sys.stderr, flush=True), os._exit(2)))  # fmt: skip
+        late.daemon = True
+        late.start()
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        late.cancel()
+        print(f"ds4jax: the group's {args.num_processes} processes joined", file=sys.stderr,
+              flush=True)  # fmt: skip
         distributed.agree("flags", group_flags(args))  # before the weights load
     engine, banner = build_engine(args)
     print(f"ds4jax: {banner}", file=sys.stderr, flush=True)

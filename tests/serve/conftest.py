@@ -318,6 +318,7 @@ class ServeProcess:
         )
         self.lines: list[str] = []
         self.ready = threading.Event()
+        self.drained = threading.Event()  # every line read: the process closed its stderr
         threading.Thread(target=self._drain, daemon=True).start()
 
     def _drain(self) -> None:
@@ -326,6 +327,7 @@ class ServeProcess:
             self.lines.append(line)
             if "ready on" in line:
                 self.ready.set()
+        self.drained.set()
 
     @property
     def stderr(self) -> str:

@@ -194,7 +194,28 @@ def test_a_group_started_with_different_flags_refuses_to_serve() -> None:
             p.proc.wait(180)
     finally:
         codes = [leader.stop(), follower.stop()]
+    assert leader.drained.wait(10) and follower.drained.wait(10)
     assert all(c not in (None, 0) for c in codes), (codes, leader.stderr, follower.stderr)
     assert "--sessions: 2 here, 1 on process 1" in leader.stderr, leader.stderr
     assert "--sessions: 1 here, 2 on process 0" in follower.stderr, follower.stderr
     assert not leader.ready.is_set() and "ds4jax: model" not in leader.stderr
+
+
+def test_a_process_whose_group_never_gathers_says_so_and_exits() -> None:
+    """Process 0 with no process 1: it said nothing for 5 minutes, then the runtime
+    aborted it from C++ (status 134, a stack dump, "another task died"). Now it says what
+    it waits for, and after `DS4JAX_JOIN_TIMEOUT_S` exits 2 in one line."""
+    from tests.serve.conftest import free_port
+
+    coordinator = f"127.0.0.1:{free_port()}"
+    env = {"JAX_NUM_CPU_DEVICES": "1", "DS4JAX_JOIN_TIMEOUT_S": "3"}
+    alone = ServeProcess("--coordinator", coordinator, "--num-processes", "2", "--process-id",
+                         "0", model=(), env=env)  # fmt: skip
+    try:
+        code = alone.proc.wait(120)
+    finally:
+        alone.stop()
+    assert alone.drained.wait(10)
+    assert code == 2, alone.stderr
+    assert f"joining the group at {coordinator} as process 0 of 2" in alone.stderr
+    assert f"not every process of the group joined {coordinator} within 3 s" in alone.stderr
