@@ -203,6 +203,12 @@ class EngineWorker:
             self._inflight.remove(job)
         if self.running is job:
             self.running = None
+        refused = self._stopping and (
+            isinstance(result, Cancelled)
+            or (isinstance(result, Result) and result.finish == Finish.CANCELLED)
+        )  # cut short by the shutdown (or its client left meanwhile): a 503 to retry
+        if refused:  # logged and counted as what its client gets, not as a client gone
+            result = Overloaded(SHUTTING_DOWN)
         # counted and logged before the client hears of it: a scrape, the log or the trace
         # read after the reply already have the request
         self._tell("finished", job, result)
@@ -211,11 +217,8 @@ class EngineWorker:
                 hook(job, result)
             except Exception:  # a trace writer must never take the worker down
                 pass
-        if self._stopping and (
-            isinstance(result, Cancelled)
-            or (isinstance(result, Result) and result.finish == Finish.CANCELLED)
-        ):  # cut short by the shutdown (or its client left meanwhile): a 503 to retry
-            job.post("error", Overloaded(SHUTTING_DOWN))
+        if refused:
+            job.post("error", result)
         elif not isinstance(result, Cancelled):  # an error is reported to the client; the
             job.post("error" if ticket.error is not None else "done", result)  # worker lives on
 

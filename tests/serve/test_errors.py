@@ -696,3 +696,28 @@ async def test_fuzzed_request_bodies_never_yield_5xx(
         resp = await raw.post(path, content=json.dumps(payload))  # NaN / Infinity allowed
         event(f"{path} {resp.status_code}")
         check_response(resp, path, streamed=payload.get("stream") is True)
+
+
+async def test_a_request_the_shutdown_refuses_is_logged_as_refused_not_as_a_client_gone() -> None:
+    """A request still waiting for a batch row when SIGTERM came is dropped by the engine
+    (`Cancelled`) and its client answered 503 "shutting down"; the log line and the
+    metrics heard "the client went away while the request was queued" — read by an
+    operator as clients leaving. They now hear the 503 its client got."""
+    import types
+
+    from ds4jax.engine.requests import Cancelled
+    from serve.worker import SHUTTING_DOWN, Job, Overloaded
+
+    w = EngineWorker(types.SimpleNamespace(waiting=[], busy=False), max_queue=2)  # type: ignore[arg-type]
+    heard: list[Any] = []
+    w.hooks.append(lambda _job, result: heard.append(result))
+    job = Job(None, asyncio.get_running_loop())  # type: ignore[arg-type]
+    w._stopping = True
+    w._finished(job, types.SimpleNamespace(error=Cancelled("dropped unrouted"), result=None))  # type: ignore[arg-type]
+    kind, payload = await asyncio.wait_for(job.events.get(), 5)
+    assert kind == "error" and isinstance(payload, Overloaded) and str(payload) == SHUTTING_DOWN
+    assert heard == [payload]
+    # not stopping: a client that left is just that, and nothing is posted to it
+    w._stopping, heard[:] = False, []
+    w._finished(job, types.SimpleNamespace(error=Cancelled("gone"), result=None))  # type: ignore[arg-type]
+    assert isinstance(heard[0], Cancelled)
