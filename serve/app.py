@@ -204,14 +204,15 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
     async def health() -> Response:
         live = engine.live
         body = {
-            "status": config.state,
+            "status": config.state if worker.failed is None else f"failed: {worker.failed}",
             "queue_depth": worker.depth,
             "model": config.model_name,
             "live_tokens": live.pos if live is not None else 0,
             "context": engine.max_len,
             **engine.stats(),
         }
-        return Response(json.dumps(body), status=200 if config.state == "ready" else 503,
+        ok = config.state == "ready" and worker.failed is None
+        return Response(json.dumps(body), status=200 if ok else 503,
                         content_type="application/json")  # fmt: skip
 
     @app.get("/openapi.json")

@@ -365,11 +365,13 @@ def trace_hook(path: str, tokenizer: Any):
 FAILED_EXIT_DELAY_S = 2.0
 
 
-def group_failed(dead: list[int], config: ServerConfig) -> None:
+def group_failed(dead: list[int], config: ServerConfig, worker: EngineWorker) -> None:
     """A process of the group is gone: no step can run without it (and one running may
-    never return), so fail health, say which, and exit non-zero without waiting."""
+    never return), so fail health, answer every open request (a stream its error event),
+    say which, and exit non-zero without waiting."""
     who = ", ".join(map(str, dead)) if dead != [-1] else "the coordination service"
     config.state = f"failed: process {who} stopped"
+    worker.fail(f"process {who} of the serving group stopped")
     log.error("process %s of the group stopped: no engine step can run without it; "
               "exiting", who)  # fmt: skip
     time.sleep(FAILED_EXIT_DELAY_S)
@@ -480,7 +482,7 @@ def serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         worker.start()
         if group:
-            engine.watch(lambda dead: group_failed(dead, config))
+            engine.watch(lambda dead: group_failed(dead, config, worker))
 
         async def shutdown() -> None:
             """What a signal starts, before Hypercorn closes anything: the running requests

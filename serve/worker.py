@@ -93,6 +93,8 @@ class EngineWorker:
         self._observers: tuple[weakref.ref[Observer], ...] = ()
         self._started = False
         self._stopping = False
+        #: why the worker can serve nothing more (`fail`), else None
+        self.failed: str | None = None
 
     def start(self) -> None:
         if not self._started:
@@ -110,6 +112,8 @@ class EngineWorker:
         return self._jobs.qsize() + len(self.engine.waiting)
 
     def submit(self, job: Job) -> None:
+        if self.failed is not None:
+            raise Overloaded(f"the server failed ({self.failed}); retry shortly")
         if self._stopping:
             raise Overloaded(SHUTTING_DOWN)
         if self.waiting >= self.max_queue:
@@ -120,6 +124,23 @@ class EngineWorker:
             raise Overloaded("the server is busy; retry later") from err
         job.submitted = time.perf_counter()
         job.post("queued", self._jobs.qsize())
+
+    def fail(self, why: str) -> None:
+        """Nothing can be served any more (the engine could not recover from a step's
+        failure; a process of the group is gone): every request in flight or queued gets
+        its 503 now — a stream its error event — from any thread, without waiting on the
+        engine's (it may never return), and new ones are refused. Health reads `failed`."""
+        self.failed = why
+        err = Overloaded(f"the server failed ({why}); retry shortly")
+        for job in list(self._inflight):
+            job.post("error", err)
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.post("error", err)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel the running jobs, refuse the queued ones, and join the thread. Every job
@@ -247,7 +268,12 @@ class EngineWorker:
                 self.engine.tick()
             except Exception as err:  # never expected: fail what is in flight, go on
                 log.exception("engine step failed")
-                self.engine.abort(err)
+                try:
+                    self.engine.abort(err)
+                except Exception as again:  # the engine cannot even reset its batch
+                    log.exception("engine abort failed: the server can serve nothing more")
+                    self.fail(f"engine: {again}")
+                    raise
 
     def _drain(self) -> None:
         """Stopping: let the cancelled jobs in flight reach their next step and end."""

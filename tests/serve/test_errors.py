@@ -721,3 +721,28 @@ async def test_a_request_the_shutdown_refuses_is_logged_as_refused_not_as_a_clie
     w._stopping, heard[:] = False, []
     w._finished(job, types.SimpleNamespace(error=Cancelled("gone"), result=None))  # type: ignore[arg-type]
     assert isinstance(heard[0], Cancelled)
+
+
+async def test_a_failed_worker_answers_every_open_request_and_refuses_new_ones() -> None:
+    """A process of the group gone (or an engine that cannot reset after a failed step):
+    the open streams were cut with no error event when the server exited, and requests
+    were still accepted meanwhile. `fail` answers each open or queued request its 503 at
+    once, from the watchdog's thread, and refuses new ones."""
+    import types
+
+    from serve.worker import Job, Overloaded
+
+    w = EngineWorker(types.SimpleNamespace(waiting=[], busy=False), max_queue=4)  # type: ignore[arg-type]
+    loop = asyncio.get_running_loop()
+    running, queued = Job(None, loop), Job(None, loop)  # type: ignore[arg-type]
+    w._inflight.append(running)
+    w.submit(queued)
+    assert (await queued.events.get())[0] == "queued"
+    w.fail("process 1 of the serving group stopped")
+    for job in (running, queued):
+        kind, err = await asyncio.wait_for(job.events.get(), 5)
+        assert kind == "error" and isinstance(err, Overloaded)
+        assert "process 1 of the serving group stopped" in str(err)
+    with pytest.raises(Overloaded, match="the server failed"):
+        w.submit(Job(None, loop))  # type: ignore[arg-type]
+    assert w.failed == "process 1 of the serving group stopped"
