@@ -10,7 +10,8 @@ same sharding rules `shard_params` applies (`sharding.mesh_axes`), state sizes f
 `fp4-experts` — the FP4 experts kept so, the rest f32 values, its matrices held in bf16
 (the release's BF16 and E8M0-scaled FP8 values are all bf16 values:
 `model.quantized.hold_bf16_where_exact`).
-States are counted as the engine keeps them today: f32, replicated on every device — each
+States are counted dense in f32 (`ds4jax serve --state-dtype f32`; its default state dtype
+is by platform — fp8 on CPU, about a quarter of it), replicated on every device — each
 session's live frontier and fork points under the default state budget (two states per
 session), the batch's `max_batch` rows, and the engine's empty template state. A
 `--reserve` share of each device is left for activations and XLA's workspace.
@@ -48,7 +49,7 @@ from ds4jax.config import Config
 from ds4jax.kvstore.pages import pages_for
 from ds4jax.model import pages
 from ds4jax.model.params import param_shapes, path_name
-from ds4jax.model.sharding import EXPERT_AXIS, TENSOR_AXIS, mesh_axes
+from ds4jax.model.sharding import DATA_AXIS, EXPERT_AXIS, TENSOR_AXIS, mesh_axes
 from ds4jax.model.state import capacity_bytes
 from ds4jax.weights.official import leaf_kind, stored_bytes
 
@@ -59,14 +60,21 @@ GB = 1e9
 
 def weight_bytes_per_device(cfg: Config, expert: int, tensor: int, weights: str,
                             data: int = 1) -> int:  # fmt: skip
-    """Bytes of one device's shard of every parameter on a data×expert×tensor mesh: the
-    routed experts split over data × expert, everything else replicated along data."""
-    sizes = {EXPERT_AXIS: data * expert, TENSOR_AXIS: tensor}
+    """Bytes of one device's shard of every parameter on a data×expert×tensor mesh, split
+    as the server places them (`sharding.mesh_axes`): the routed experts over data × expert
+    where their count divides, else over expert alone; everything else replicated along
+    data."""
+    sizes = {DATA_AXIS: data, EXPERT_AXIS: expert, TENSOR_AXIS: tensor}
+
+    def parts(axis: str | tuple[str, ...] | None) -> int:
+        axes = axis if isinstance(axis, tuple) else (axis,) if axis else ()
+        return math.prod(sizes[a] for a in axes)
+
     total = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(param_shapes(cfg)):
         name = path_name(path)
         axes = mesh_axes(name, leaf.shape, sizes)
-        shard = tuple(d // sizes[a] if a else d for d, a in zip(leaf.shape, axes, strict=True))
+        shard = tuple(d // parts(a) for d, a in zip(leaf.shape, axes, strict=True))
         kind = leaf_kind(name)
         if kind == "int":
             total += 4 * math.prod(shard)
@@ -157,7 +165,7 @@ def describe(name: str, plans: list[MeshPlan], *, devices: int, hbm_gb: float, c
     best = plans[0]
     gb = lambda b: f"{b / GB:,.2f} GB"  # noqa: E731
     if paged is None:
-        kind = "states f32 as served today"
+        kind = "dense f32 states (serve --state-dtype f32)"
         held = f"{STATES_PER_SESSION * sessions} states: live frontiers and fork points"
         rows = f"{max_batch} rows + the empty state"
     else:

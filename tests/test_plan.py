@@ -140,3 +140,40 @@ def test_cli_data_parallel_names_the_arrangement(capsys) -> None:
     assert cli.main([*argv, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["plans"][0]["data"] == 8 and d["plans"][0]["mesh"] == "data=8,expert=1,tensor=1"
+
+
+def test_weights_per_device_are_what_the_server_places_on_each_mesh() -> None:
+    """`plan`'s weights per device against the bytes `param_shardings` puts on one device
+    of real meshes (8 CPU devices, a subprocess): the demo's 4 experts on data=4,expert=2
+    (their count not dividing data × expert) stay split over expert as the server places
+    them — plan counted them whole on every device (6.5 MB against the served 5.0)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import forced_devices_env
+
+    script = """
+import json, math
+import jax
+from ds4jax.config import load_config
+from ds4jax.model.params import param_shapes
+from ds4jax.model.sharding import make_mesh, param_shardings
+from ds4jax.plan import weight_bytes_per_device
+cfg = load_config("demo")
+out = []
+for data, expert, tensor in ((4, 2, 1), (4, 1, 2), (2, 2, 2), (1, 8, 1), (1, 2, 4)):
+    mesh = make_mesh(expert, tensor, data=data)
+    shapes = param_shapes(cfg)
+    sh = param_shardings(cfg, mesh)
+    placed = sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+                 for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(sh)))
+    planned = weight_bytes_per_device(cfg, expert, tensor, "f32", data)
+    out.append([data, expert, tensor, placed, planned])
+print(json.dumps(out))
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=forced_devices_env(8), timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    for data, expert, tensor, placed, planned in rows:
+        assert planned == placed, (data, expert, tensor, placed, planned)
