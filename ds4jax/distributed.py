@@ -23,6 +23,7 @@ process dies may never return; the exit does not wait for it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -49,7 +50,7 @@ log = logging.getLogger("ds4jax.distributed")
 
 #: seconds without a heartbeat before the coordination service calls a process dead
 #: (env `DS4JAX_HEARTBEAT_TIMEOUT_S` overrides)
-HEARTBEAT_TIMEOUT_S = int(os.environ.get("DS4JAX_HEARTBEAT_TIMEOUT_S", "10"))
+HEARTBEAT_TIMEOUT_S = int(float(os.environ.get("DS4JAX_HEARTBEAT_TIMEOUT_S", "10")))
 #: published operations kept in the key-value store: followers are at most a step behind
 #: (every step is a collective), so older ones are deleted
 KEEP_OPS = 64
@@ -61,7 +62,7 @@ _STOP_BARRIER = "ds4jax/stop"
 
 #: seconds `initialize` waits for every process of the group to join (env
 #: `DS4JAX_JOIN_TIMEOUT_S`); past it the runtime ends the process, non-zero
-JOIN_TIMEOUT_S = int(os.environ.get("DS4JAX_JOIN_TIMEOUT_S", "300"))
+JOIN_TIMEOUT_S = int(float(os.environ.get("DS4JAX_JOIN_TIMEOUT_S", "300")))
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
@@ -83,35 +84,63 @@ def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
     )  # fmt: skip
 
 
-#: seconds a process waits for the others' settings at start-up (they all passed
-#: `initialize`, which waits for the whole group, so they are close behind)
-AGREE_TIMEOUT_S = 300
+#: seconds a process waits for the others' flags (they all passed `initialize`, which
+#: waits for the whole group, so they are close behind), and for their engine settings,
+#: which come once each has loaded its weights (a Hub download, a slow disk: env
+#: `DS4JAX_LOAD_TIMEOUT_S`)
+AGREE_TIMEOUT_S = 300.0
+LOAD_TIMEOUT_S = float(os.environ.get("DS4JAX_LOAD_TIMEOUT_S", "3600"))
+#: what each host's own memory decides when no flag sets it (`engine_settings`)
+MEMORY_SETTINGS = frozenset({"state budget", "pages"})
 
 
 def agree(what: str, settings: dict[str, Any], client: Any = None,
-          timeout_s: float = AGREE_TIMEOUT_S) -> None:  # fmt: skip
+          timeout_s: float = AGREE_TIMEOUT_S, poll_s: float = 10.0) -> None:  # fmt: skip
     """Refuse to go on unless every process of the group has the same `settings` (`what`
     names them in the refusal): a follower replays the leader's operations against its own
     settings, so one started with another --ctx or --sessions served until the first
     request they route differently, then hung in a collective forever or aborted both
     processes. Each process publishes its own; the leader compares every follower's, each
-    follower the leader's, so every process of a mismatched group exits with the
-    difference named."""
+    follower the leader's, so the processes of a mismatched pair exit with the difference
+    named (a third process that matches the leader is then ended by the runtime). A
+    process that leaves, or does not report within `timeout_s`, is named too."""
     client = client if client is not None else _client()
     me, n = jax.process_index(), jax.process_count()
     key = "ds4jax/agree/" + what.replace(" ", "-") + "/{}"
     mine = {k: str(v) for k, v in settings.items()}
     client.key_value_set(key.format(me), json.dumps(mine, sort_keys=True))
     for other in range(1, n) if me == 0 else [0]:
-        theirs = json.loads(client.blocking_key_value_get(key.format(other),
-                                                          int(timeout_s * 1000)))  # fmt: skip
+        theirs = json.loads(_wait_for(client, key.format(other), other, what, timeout_s, poll_s))
         keys = sorted(mine.keys() | theirs.keys())
-        differ = [f"{k}: {mine.get(k)} here, {theirs.get(k)} on process {other}"
-                  for k in keys if mine.get(k) != theirs.get(k)]  # fmt: skip
+        differ = [k for k in keys if mine.get(k) != theirs.get(k)]
         if differ:
+            said = "; ".join(f"{k}: {mine.get(k)} here, {theirs.get(k)} on process {other}"
+                             for k in differ)  # fmt: skip
+            hint = ("each host's memory set its default: pass the same --state-budget-mb or "
+                    "--state-memory to every process" if set(differ) <= MEMORY_SETTINGS
+                    else "every process must be started with the same ones")  # fmt: skip
             raise SystemExit(f"ds4jax serve: process {me} and process {other} of the group "
-                             f"differ in {what} ({'; '.join(differ)}): every process must be "
-                             "started with the same ones")  # fmt: skip
+                             f"differ in {what} ({said}): {hint}")  # fmt: skip
+
+
+def _wait_for(client: Any, key: str, other: int, what: str, timeout_s: float,
+              poll_s: float) -> str:  # fmt: skip
+    """Process `other`'s value of `key`, waited for in rounds, so that one which left the
+    group is named at once rather than at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return client.blocking_key_value_get(key, int(max(1.0, min(poll_s, left)) * 1000))
+        except Exception as err:  # a round's deadline, or the service itself is gone
+            if "DEADLINE_EXCEEDED" not in str(err) and "timed out" not in str(err).lower():
+                raise
+        if other not in client.get_live_nodes(list(range(jax.process_count()))):
+            raise SystemExit(f"ds4jax serve: process {other} left the group before it "
+                             f"reported its {what}")  # fmt: skip
+        if time.monotonic() >= deadline:
+            raise SystemExit(f"ds4jax serve: process {other} did not report its {what} "
+                             f"within {timeout_s:.0f} s")  # fmt: skip
 
 
 def engine_settings(engine: Engine) -> dict[str, Any]:
@@ -119,8 +148,11 @@ def engine_settings(engine: Engine) -> dict[str, Any]:
     the model's shape and the pool's and batch's sizes, which flags and each host's own
     memory (a default state budget) decide."""
     pages = engine.pages.pool.num_pages if engine.pages is not None else None
+    cfg = engine.cfg
+    fields = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else {"": cfg}
     return {
-        "model config": engine.cfg, "context": engine.max_len,
+        **{f"model config {k}".strip(): v for k, v in fields.items()},
+        "context": engine.max_len,
         "chunk sizes": engine.chunk_sizes, "sessions": len(engine.pool.sessions),
         "state budget": engine.pool.budget, "pages": pages, "max batch": engine.max_batch,
         "stall bound": engine.stall_bound, "burst": engine.burst,

@@ -101,6 +101,13 @@ def _err(
 MAX_JSON_DEPTH = 128
 
 
+class _Constant:
+    """`NaN`, `Infinity` or `-Infinity` as written in a body (`decode_json` refuses it)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
 def decode_json(raw: bytes) -> Any:
     """A request body as JSON, or a RequestError (400): empty, not JSON, nested too deeply,
     or holding NaN or an infinity (not JSON numbers: a reply echoing one would not parse;
@@ -108,7 +115,7 @@ def decode_json(raw: bytes) -> Any:
     if not raw:
         raise RequestError("request body is empty")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_Constant)
     except RecursionError as err:
         raise RequestError("request body is nested too deeply") from err
     except (ValueError, UnicodeDecodeError) as err:
@@ -116,8 +123,10 @@ def decode_json(raw: bytes) -> Any:
     stack: list[tuple[Any, str, int]] = [(body, "", 0)]
     while stack:
         value, where, depth = stack.pop()
-        if isinstance(value, float) and not math.isfinite(value):
-            raise field_error(where or "body", f"{json.dumps(value)} is not a JSON number")
+        if isinstance(value, _Constant):
+            raise field_error(where or "body", f"{value.name} is not a JSON number")
+        if isinstance(value, float) and not math.isfinite(value):  # 1e400: valid JSON
+            raise field_error(where or "body", "a number out of range (beyond float)")
         if not isinstance(value, dict | list):
             continue
         if depth == MAX_JSON_DEPTH:
@@ -125,7 +134,7 @@ def decode_json(raw: bytes) -> Any:
                                f"{MAX_JSON_DEPTH} levels)")  # fmt: skip
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in items:
-            if isinstance(item, float | dict | list):
+            if isinstance(item, float | dict | list | _Constant):
                 path = f"{where}[{key}]" if isinstance(key, int) else (
                     f"{where}.{key}" if where else str(key))  # fmt: skip
                 stack.append((item, path, depth + 1))
@@ -199,6 +208,10 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
 
     async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(preparing, fn, *args)
+
+    @app.after_serving
+    async def _stop_preparing() -> None:  # a request being prepared is not waited for
+        preparing.shutdown(wait=False, cancel_futures=True)
 
     @app.get("/health")
     async def health() -> Response:

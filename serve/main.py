@@ -145,7 +145,7 @@ def check_listen(host: str, port: int) -> None:
 PROCESS_FLAGS = frozenset({
     "host", "port", "process_id", "api_key", "model_name", "trace", "cors", "queue",
     "max_body_bytes", "log_level", "stats_interval", "kv_disk_space_mb", "model",
-    "download_dir", "command",
+    "download_dir", "command", "coordinator",
 })  # fmt: skip
 
 
@@ -156,6 +156,11 @@ def group_flags(args: argparse.Namespace) -> dict[str, Any]:
     out = {f"--{k.replace('_', '-')}": v for k, v in sorted(vars(args).items())
            if k not in PROCESS_FLAGS and not callable(v)}  # fmt: skip
     out["--kv-disk-dir"] = "set" if args.kv_disk_dir else "unset"
+    # spelled alike whatever the spacing and order ("4, 16" is "4,16"; the mesh's axes)
+    if isinstance(args.chunk_sizes, str):
+        out["--chunk-sizes"] = ",".join(p.strip() for p in args.chunk_sizes.split(","))
+    if isinstance(args.mesh, str):
+        out["--mesh"] = ",".join(sorted(p.replace(" ", "") for p in args.mesh.split(",") if p))
     return out
 
 
@@ -337,12 +342,11 @@ def trace_hook(path: str, tokenizer: Any):
         if isinstance(result, Exception):
             rec["error"] = repr(result)
         else:
-            if result.evaluated:
-                ids = result.evaluated[: result.prompt_tokens]
+            ids = result.evaluated[: result.prompt_tokens]
+            if ids and ids != job.prepared.view.tokens:  # (decoded only then: this runs on
                 rec["prompt"], rec["prompt_tokens"] = tokenizer.decode(list(ids)), len(ids)
-                if rec["prompt"] != client or len(ids) != job.prepared.prompt_tokens:
-                    rec["client_prompt"] = client
-                    rec["client_prompt_tokens"] = job.prepared.prompt_tokens
+                rec["client_prompt"] = client  # the engine's thread)
+                rec["client_prompt_tokens"] = job.prepared.prompt_tokens
             rec |= {
                 "source": SOURCE_LABELS[result.source],
                 "session": result.session,
@@ -446,7 +450,8 @@ def serve(args: argparse.Namespace) -> int:
     engine, banner = build_engine(args)
     print(f"ds4jax: {banner}", file=sys.stderr, flush=True)
     if group:
-        distributed.agree("engine settings", distributed.engine_settings(engine))
+        distributed.agree("engine settings", distributed.engine_settings(engine),
+                          timeout_s=distributed.LOAD_TIMEOUT_S)  # fmt: skip
         channel = distributed.Channel()
         if args.process_id:
             if args.kv_disk_dir:
@@ -519,8 +524,8 @@ def serve(args: argparse.Namespace) -> int:
         await loop.run_in_executor(None, worker.stop)
         try:
             await loop.run_in_executor(None, engine.shutdown)
-        except Exception as err:  # a group whose step never returned (`GroupStuck`)
-            if not group:
+        except Exception as err:  # a group whose step never returned
+            if not group or not isinstance(err, distributed.GroupStuck):
                 raise
             print(f"ds4jax: {err}; exiting without the shutdown save", file=sys.stderr,
                   flush=True)  # fmt: skip

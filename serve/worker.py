@@ -124,6 +124,8 @@ class EngineWorker:
             raise Overloaded("the server is busy; retry later") from err
         job.submitted = time.perf_counter()
         job.post("queued", self._jobs.qsize())
+        if self.failed is not None:  # `fail` drained the queue between the check and the put
+            self._refuse(job)
 
     def fail(self, why: str) -> None:
         """Nothing can be served any more (the engine could not recover from a step's
@@ -131,16 +133,33 @@ class EngineWorker:
         its 503 now — a stream its error event — from any thread, without waiting on the
         engine's (it may never return), and new ones are refused. Health reads `failed`."""
         self.failed = why
-        err = Overloaded(f"the server failed ({why}); retry shortly")
+        stopped = False
         for job in list(self._inflight):
-            job.post("error", err)
+            self._refuse(job)
         while True:
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 break
-            if job is not None:
-                job.post("error", err)
+            if job is None:
+                stopped = True
+            else:
+                self._refuse(job)
+        if stopped:  # `stop`'s sentinel stays for the thread to read
+            self._jobs.put_nowait(None)
+
+    def _refuse(self, job: Job) -> None:
+        """A job `fail` answers: told to the observers and hooks (the log line, the
+        metrics) as what its client gets, then posted."""
+        err = Overloaded(f"the server failed ({self.failed}); retry shortly")
+        job.finished = time.perf_counter()
+        self._tell("finished", job, err)
+        for hook in self.hooks:
+            try:
+                hook(job, err)
+            except Exception:  # a trace writer must never take the worker down
+                pass
+        job.post("error", err)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel the running jobs, refuse the queued ones, and join the thread. Every job
@@ -168,6 +187,9 @@ class EngineWorker:
             self._thread.join(timeout)
 
     def _start_job(self, job: Job) -> None:
+        if self.failed is not None:  # taken off the queue as `fail` drained it
+            self._refuse(job)
+            return
         self._inflight.append(job)
         if self._stopping:  # taken off the queue as `stop` began: it may not have seen it
             job.cancel.set()  # (appended first, read second: one of the two sees the other)

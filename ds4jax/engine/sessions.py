@@ -25,7 +25,7 @@ from ds4jax.continuation.pool import (
 )
 from ds4jax.continuation.types import Bindings, Decision, LiveFrontier, Rejection
 from ds4jax.engine.requests import EngineError, Prepared
-from ds4jax.kvstore.host import HostState, to_host
+from ds4jax.kvstore.host import HostState, least_bytes, to_host
 from ds4jax.kvstore.pages import pages_for
 from ds4jax.kvstore.store import NoStore, SaveReason
 from ds4jax.model.state import capacity_bytes
@@ -109,6 +109,8 @@ class Sessions:
         if self.host_budget is None or session.live is None:
             return False
         dense = self.pages.dense(session.live.state) if self.pages else session.live.state
+        if least_bytes(dense) > self.host_budget:  # never fits: no copy to throw away
+            return False
         host = to_host(dense)
         victims = host_victims(self.pool, host.nbytes, self.host_budget, keep | {session.slot})
         if victims is None:

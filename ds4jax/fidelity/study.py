@@ -194,7 +194,12 @@ def conclusions(report: Report, rows: Sequence[KindSummary]) -> str:
             if exact_ok
             else "look for numerical drift before reading the rows below."
         ),
-        f"* **Every fallback drifts.** At the first assistant position the mean "
+        (
+            "* **Every fallback drifts.** "
+            if all(by[k].kl_first_mean > 1e-6 for k in KINDS[1:])
+            else "* **Not every fallback drifts here.** "
+        )
+        + "At the first assistant position the mean "
         f"KL(live‖replay) is {ranked}; {stateless.kl_first_mean:.3g} for a stateless server "
         f"whose client drops thinking (a+b+c; {by['b+c'].kl_first_mean:.3g} when it keeps it, "
         f"b+c). Over all positions a+b+c averages {stateless.kl_all_mean:.3g} nats "

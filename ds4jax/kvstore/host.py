@@ -54,6 +54,13 @@ class HostState:
         return replace(self.state, layers=layers)
 
 
+def least_bytes(state: Any) -> int:
+    """The fewest bytes `to_host(state)` can hold, before copying anything: every leaf
+    but the compressed and indexer rows (which it cuts)."""
+    rows = {id(x) for ls in state.layers for x in (ls.comp, ls.idx) if x is not None}
+    return sum(int(x.nbytes) for x in jax.tree.leaves(state) if id(x) not in rows)
+
+
 def to_host(state: Any) -> HostState:
     """A dense device state copied to host RAM, its unwritten rows left behind."""
     host = jax.device_get(state)

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from ds4jax.continuation.pool import Pool, Session, host_bytes, host_victims
 from ds4jax.continuation.types import Bindings, CacheSource, LiveFrontier, ToolBinding
 from ds4jax.engine import Engine, EngineError
-from ds4jax.kvstore.host import HostState, to_host
+from ds4jax.kvstore.host import HostState, least_bytes, to_host
 from ds4jax.model.state import allocated_bytes
 from tests.continuation.conftest import like
 from tests.continuation.test_sessions import (
@@ -129,6 +129,7 @@ def test_the_host_tier_holds_the_rows_of_the_tokens_held_and_gives_back_the_stat
             if rows is not None:  # at most the rows the tokens completed
                 assert rows.shape[0] <= tokens // e.cfg.compress_ratios[i] + 1
     assert host.nbytes == allocated_bytes(host.state)
+    assert least_bytes(state) <= host.nbytes  # the bound `_to_host` checks before copying
     assert host.nbytes < allocated_bytes(want)
 
 

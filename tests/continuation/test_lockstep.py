@@ -122,9 +122,16 @@ def test_the_leaders_exit_gives_up_on_a_step_that_never_returns(
     monkeypatch.setattr(distributed, "STOP_TIMEOUT_S", 0.2)
     channel = MemoryChannel()
     leader = Leader(pool_engine(_engine), channel)  # type: ignore[arg-type]
-    stuck = threading.Event()
-    holder = threading.Thread(target=lambda: leader._lock.acquire() and stuck.wait(10))
+    stuck, held = threading.Event(), threading.Event()
+
+    def hold() -> None:  # a step that never returns
+        with leader._lock:
+            held.set()
+            stuck.wait(10)
+
+    holder = threading.Thread(target=hold)
     holder.start()
+    assert held.wait(10)
     try:
         with pytest.raises(distributed.GroupStuck, match="cannot stop cleanly"):
             leader.shutdown()
@@ -132,3 +139,53 @@ def test_the_leaders_exit_gives_up_on_a_step_that_never_returns(
     finally:
         stuck.set()
         holder.join()
+
+
+class AgreeClient:
+    """The coordination service's key-value store and liveness, for `distributed.agree`:
+    process 1's values are set beforehand (or never)."""
+
+    def __init__(self, theirs: dict[str, str], alive: bool = True) -> None:
+        self.kv, self.alive = dict(theirs), alive
+
+    def key_value_set(self, key: str, value: str) -> None:
+        self.kv[key] = value
+
+    def blocking_key_value_get(self, key: str, _timeout_ms: int) -> str:
+        if key not in self.kv:
+            raise RuntimeError("DEADLINE_EXCEEDED: no such key yet")
+        return self.kv[key]
+
+    def get_live_nodes(self, everyone: list[int]) -> list[int]:
+        return everyone if self.alive else [0]
+
+
+def test_a_group_agrees_on_its_settings_or_names_what_differs(monkeypatch: Any) -> None:
+    """The leader's side of `agree` (what `serve` runs before and after the weights load):
+    equal settings pass; a flag that differs is named; a state budget alone differing says
+    each host's memory set it and how to pin it; a process that left, or never reports,
+    is named rather than waited on forever."""
+    import json
+
+    import pytest
+
+    from ds4jax import distributed
+
+    monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(distributed.jax, "process_index", lambda: 0)
+    mine = {"context": 8192, "state budget": 100, "pages": 7}
+
+    def theirs(**changes: Any) -> AgreeClient:
+        values = {k: str(v) for k, v in {**mine, **changes}.items()}
+        return AgreeClient({"ds4jax/agree/engine-settings/1": json.dumps(values)})
+
+    distributed.agree("engine settings", mine, theirs())
+    with pytest.raises(SystemExit, match=r"context: 8192 here, 4096 on process 1.*same ones"):
+        distributed.agree("engine settings", mine, theirs(context=4096))
+    with pytest.raises(SystemExit, match="memory set its default: pass the same --state-budget"):
+        distributed.agree("engine settings", mine, theirs(**{"state budget": 90, "pages": 6}))
+    with pytest.raises(SystemExit, match="process 1 left the group before it reported"):
+        distributed.agree("engine settings", mine, AgreeClient({}, alive=False), poll_s=0.01)
+    with pytest.raises(SystemExit, match="process 1 did not report its engine settings"):
+        distributed.agree("engine settings", mine, AgreeClient({}), timeout_s=0.05,
+                          poll_s=0.01)  # fmt: skip

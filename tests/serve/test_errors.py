@@ -733,12 +733,17 @@ async def test_a_failed_worker_answers_every_open_request_and_refuses_new_ones()
     from serve.worker import Job, Overloaded
 
     w = EngineWorker(types.SimpleNamespace(waiting=[], busy=False), max_queue=4)  # type: ignore[arg-type]
+    heard: list[Any] = []
+    w.hooks.append(lambda _job, result: heard.append(result))
     loop = asyncio.get_running_loop()
     running, queued = Job(None, loop), Job(None, loop)  # type: ignore[arg-type]
     w._inflight.append(running)
     w.submit(queued)
     assert (await queued.events.get())[0] == "queued"
+    w._jobs.put_nowait(None)  # `stop`'s sentinel, queued behind
     w.fail("process 1 of the serving group stopped")
+    assert w._jobs.get_nowait() is None  # kept for the worker's thread to read
+    assert len(heard) == 2 and all(isinstance(r, Overloaded) for r in heard)  # logged
     for job in (running, queued):
         kind, err = await asyncio.wait_for(job.events.get(), 5)
         assert kind == "error" and isinstance(err, Overloaded)

@@ -6,6 +6,7 @@ negative cases) with no 5xx and the server still serving."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -106,7 +107,24 @@ def probes(path: str) -> dict[str, tuple[int, bytes | dict[str, Any], str | None
         # Responses echo (255) could take: those were 500s
         "nesting-past-the-limit": (400, _deep(path, 300), None),
         "nesting-near-the-parse-limit": (400, _deep(path, 960), None),
-        "nan-in-an-ignored-field": (400, b'{"x": NaN}', None),
+        # a discriminating field that is a list: unhashable, it was a 500 (hypothesis)
+        "role-a-list": (
+            400,
+            valid(path, input=[{"type": ["message"], "role": "user", "content": "hi"}])
+            if path == RESPONSES
+            else valid(path, messages=[{"role": ["user"], "content": "hi"}]),
+            f"{msgs}[0]",
+        ),
+        "nan-in-an-ignored-field": (
+            400,
+            (json.dumps(valid(path))[:-1] + ', "x": NaN}').encode(),
+            "x",
+        ),
+        "number-out-of-range": (
+            400,
+            (json.dumps(valid(path))[:-1] + ', "x": [1e400]}').encode(),
+            "x[0]",
+        ),
         "stream-string": (400, valid(path, stream="yes"), "stream"),
         "nan-temperature": (
             400,
@@ -474,3 +492,15 @@ def test_a_prompt_of_exactly_the_context_says_no_room_is_left() -> None:
     assert str(prompt_too_long(8, 8, "messages")).endswith(
         "8 tokens, the context is 8 (a prompt must leave room for a token of reply)"
     )
+
+
+def test_a_body_names_where_it_is_not_json_numbers() -> None:
+    from serve.app import decode_json
+
+    for raw, says in ((b'{"a": {"b": [1, NaN]}}', "a.b[1]: NaN is not a JSON number"),
+                      (b'{"t": -Infinity}', "t: -Infinity is not a JSON number"),
+                      (b'{"t": 1e400}', "t: a number out of range (beyond float)"),
+                      (b'[NaN]', "[0]: NaN is not a JSON number")):  # fmt: skip
+        with pytest.raises(Exception, match=re.escape(says)):
+            decode_json(raw)
+    assert decode_json(b'{"t": 1e300, "u": [true, null]}') == {"t": 1e300, "u": [True, None]}

@@ -98,9 +98,11 @@ def either(
         if isinstance(value, BaseModel):  # serializing a validated body (an echo)
             value = value.model_dump(exclude_unset=True)
         name = choose(value)
-        if name is not None and name in branches:
+        if not isinstance(name, str):  # a discriminating field that is a list or an object
+            return None
+        if name in branches:
             return _TAG + name
-        return _TAG + _OTHER if other is not None and name is not None else None
+        return _TAG + _OTHER if other is not None else None
 
     disc = Discriminator(tag, custom_error_type=BAD_TAG + (field or ""),
                          custom_error_message=expected)  # fmt: skip

@@ -185,6 +185,8 @@ class ChatToolOutput(Body):
 
 def _chat_role(value: Any) -> str | None:
     role = value.get("role") if isinstance(value, dict) else None
+    if not isinstance(role, str):  # a list or an object: no role (a 400 naming it)
+        return None
     return {"developer": "system", "function": "tool"}.get(role, role)
 
 
