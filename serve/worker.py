@@ -153,13 +153,18 @@ class EngineWorker:
         metrics) as what its client gets, then posted."""
         err = Overloaded(f"the server failed ({self.failed}); retry shortly")
         job.finished = time.perf_counter()
-        self._tell("finished", job, err)
+        self._record(job, err)
+        job.post("error", err)
+
+    def _record(self, job: Job, result: Any) -> None:
+        """A job's end, counted and logged (observers, then hooks) before its client hears
+        of it: a scrape, the log or the trace read after the reply already have it."""
+        self._tell("finished", job, result)
         for hook in self.hooks:
             try:
-                hook(job, err)
+                hook(job, result)
             except Exception:  # a trace writer must never take the worker down
                 pass
-        job.post("error", err)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel the running jobs, refuse the queued ones, and join the thread. Every job
@@ -252,14 +257,7 @@ class EngineWorker:
         )  # cut short by the shutdown (or its client left meanwhile): a 503 to retry
         if refused:  # logged and counted as what its client gets, not as a client gone
             result = Overloaded(SHUTTING_DOWN)
-        # counted and logged before the client hears of it: a scrape, the log or the trace
-        # read after the reply already have the request
-        self._tell("finished", job, result)
-        for hook in self.hooks:
-            try:
-                hook(job, result)
-            except Exception:  # a trace writer must never take the worker down
-                pass
+        self._record(job, result)
         if refused:
             job.post("error", result)
         elif not isinstance(result, Cancelled):  # an error is reported to the client; the
