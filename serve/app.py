@@ -82,7 +82,7 @@ def _err(
     and a failure of ours is its `server_error` (Anthropic's `api_error`). `fields`: more of
     the error object, in either shape."""
     kind = error_type or protocol.ERROR_TYPES.get(status, "api_error")
-    if request.path in OPENAI_PATHS:
+    if request.path.rstrip("/") in OPENAI_PATHS:  # (a stray trailing slash: still OpenAI's)
         status = 503 if status == 529 else status
         kind = protocol.openai_type(kind)
         body: dict[str, Any] = {"error": {"message": message, "type": kind, "param": param,

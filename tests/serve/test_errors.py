@@ -122,6 +122,16 @@ async def test_unknown_routes_are_404_in_the_anthropic_shape(
         assert_anthropic_error(resp, 404, "not_found_error")
 
 
+async def test_an_openai_path_with_a_trailing_slash_is_404_in_openai_shape(
+    raw: httpx2.AsyncClient,
+) -> None:
+    resp = await raw.post("/v1/chat/completions/", json={})
+    assert resp.status_code == 404
+    err = resp.json()["error"]
+    assert err["type"] == "not_found_error", err
+    assert set(err) == {"message", "type", "param", "code"}
+
+
 # ---------------------------------------------------------------------- validation
 
 
