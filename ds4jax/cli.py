@@ -31,6 +31,8 @@ def _read_body(path: str) -> Any:
 
 
 def _request_segments(args: argparse.Namespace) -> list:
+    if args.ctx is not None and args.ctx < 2:  # a server of that context serves nothing
+        raise ValueError(f"--ctx {args.ctx}: the context holds at least 2 tokens")
     req = parse_messages_request(_read_body(args.file), max_context=args.ctx)
     return render(req.conversation)
 

@@ -255,3 +255,11 @@ def test_tokenize_refuses_bad_text_and_a_bad_tokenizer_in_a_line(tmp_path: Path)
         out = run("tokenize", *args)  # type: ignore[arg-type]
         assert out.returncode == 1 and b"Traceback" not in out.stderr, out.stderr
         assert out.stderr.count(b"\n") == 1, out.stderr
+
+
+def test_render_and_count_tokens_refuse_a_context_no_server_has(tmp_path: Path) -> None:
+    path = write_request(tmp_path, {"max_tokens": 5, "messages": [{"role": "user",
+                                                                   "content": "hi"}]})  # fmt: skip
+    for cmd in ("render", "count-tokens"):
+        out = run(cmd, str(path), "--ctx", "-5")
+        assert out.returncode == 1 and b"--ctx -5: the context holds at least 2" in out.stderr
