@@ -297,7 +297,7 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
         and spans compile on first use, then come from the persistent cache). `logprobs`:
         each of those steps' variant that reports log-probabilities too (else the first
         request asking for them compiles it). With speculation, each size's speculative
-        step up to its bound."""
+        step."""
         for size in self.chunk_sizes:
             state = self._prefill(self._empty, [self.tokenizer.bos_id] * size, (size,))
             state.logits.block_until_ready()
@@ -333,7 +333,9 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
                     for _ in range(2):  # the second call sees the step's own outputs
                         scratch, *_ = self._step(scratch, grid, np.full(size, -1, np.int32),
                                                  *sampling, chunk=chunk, logprobs=lp)  # fmt: skip
-                if self.spec is not None and size <= self.spec_max_batch:
+                # every size, not only those up to the bound: the gate counts active rows,
+                # and two of them in rows 2 and 3 step at size 4
+                if self.spec is not None and self.spec_max_batch > 0:
                     scratch = self._warm_speculative(scratch, grid, size, sampling)
                 if self._bursts_run:
                     # the burst (and a row's step back) a server decoding rows that only
