@@ -45,8 +45,38 @@ from ds4jax.kvstore.store import KVStore
 EOS_SEGMENT = Segment(specials.EOS, True)
 
 
+def first_user_turn(segments: tuple[Segment, ...]) -> str | None:
+    """The text of a render's first user turn (between its first `<｜User｜>` and the next
+    `<｜Assistant｜>`), None when it has no complete one."""
+    text: list[str] | None = None
+    for seg in segments:
+        if seg.special and seg.text == specials.USER and text is None:
+            text = []
+        elif seg.special and seg.text == specials.ASSISTANT and text is not None:
+            return "".join(text)
+        elif text is not None:
+            text.append(seg.text)
+    return None
+
+
+def same_conversation(req: RequestView, live: LiveFrontier) -> bool:
+    """Whether a request whose tool_result ids are a frontier's live ones is that
+    frontier's conversation: where its history has a whole turn before its tool results,
+    its first user turn is the frontier's. The ids alone handed one agent's live state to
+    another client that sent them (its own question answered from the first agent's
+    conversation, the owner's next turn then no longer live); the first user turn is what
+    an agent never rewrites, while the assistant turns it replays may differ from what was
+    sampled (reasoning dropped, JSON re-serialised: the sampled state stays the truth). A
+    tool-result-only request (no history) is answered by its ids, as before."""
+    head = req.segments[: len(req.segments) - len(req.tail or ())]
+    if not any(s.special and s.text == specials.ASSISTANT for s in head):
+        return True
+    return first_user_turn(head) == first_user_turn(live.segments)
+
+
 def match_tool(req: RequestView, live: LiveFrontier | None, bindings: Bindings) -> Decision | None:
-    """Step 1: the request answers exactly the tool call this frontier just sampled."""
+    """Step 1: the request answers exactly the tool call this frontier just sampled, from
+    the same conversation (`same_conversation`)."""
     tb = bindings.tool
     if (
         live is not None
@@ -55,6 +85,7 @@ def match_tool(req: RequestView, live: LiveFrontier | None, bindings: Bindings) 
         and req.tail is not None
         and req.tail_ids
         and frozenset(req.tail_ids) == tb.ids
+        and same_conversation(req, live)
     ):
         return Decision(
             CacheSource.LIVE_TOOL, live.tokens, suffix_segments=(EOS_SEGMENT, *req.tail)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Collection
+from typing import Any
 
 from ds4jax.chat.conversation import Conversation, Message
+from ds4jax.chat.dsml_parse import parse_generated
 from ds4jax.chat.kinds import Api
 from ds4jax.chat.render import render
 from ds4jax.chat.segments import Segment, normalize, strip_prefix
@@ -62,6 +64,11 @@ def _tail_start(conv: Conversation) -> int | None:
         return None
     if not any(_result_ids(m) for m in conv.messages[i:] if m.role == "user"):
         return None
+    # the run answers a tool call: its first user turn opens with the results (the API's
+    # own rule); a question before them is another conversation's turn, not this run's
+    first = next((m for m in conv.messages[i:] if m.role == "user"), None)
+    if first is not None and (not first.blocks or first.blocks[0].kind != "tool_result"):
+        return None
     return i
 
 
@@ -96,7 +103,16 @@ def attach_tool_memory(conv: Conversation, block_for: Callable[[list[str]], str 
         if len(ids) != len(m.tool_calls):
             continue
         block = block_for(ids)
-        if block is not None:
+        # the sampled bytes stand for the replayed calls whatever their arguments say (the
+        # sampled state is the truth), if they call the same tools: another client replaying
+        # an id with a call to another tool keeps its own rendering
+        if block is not None and _same_tools(block, m.tool_calls):
             conv.messages[i] = dataclasses.replace(m, raw_tool_calls=block)
             n += 1
     return n
+
+
+def _same_tools(block: str, calls: list[Any]) -> bool:
+    """Whether a remembered DSML block invokes these replayed calls' tools, in order."""
+    sampled = parse_generated(block, thinking=False).tool_calls
+    return [c.name for c in sampled] == [c.name for c in calls]

@@ -435,3 +435,58 @@ async def test_the_trace_records_what_was_evaluated_when_the_client_drops_thinki
     assert rec["client_prompt_tokens"] < rec["prompt_tokens"]
     assert "client_prompt" not in recs[0]  # a cold request: what it sent is what ran
     assert recs[0]["prompt_tokens"] == first.usage.input_tokens
+
+
+async def test_another_clients_request_with_the_live_ids_never_takes_the_live_state(
+    _engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Client B sends agent A's live tool_use id in its own conversation — replaying a call
+    of its own under that id, or the tool_result alone after its own question. The ids
+    alone routed B into A's session: B was answered from A's conversation, with A's prompt
+    length in its usage, and A's next turn was no longer live (or a 409). Now B is served
+    from its own history (or refused), A's state untouched, A's next turn live."""
+    from tests.continuation.conftest import like
+    from tests.serve.conftest import sdk_client
+
+    engine = like(_engine, sessions=3, fork_points=True)
+    worker = EngineWorker(engine, max_queue=4)
+    worker.start()
+    try:
+        async with sdk_client(make_app(worker)) as client:
+            first = await tool_turn(client)
+            tid = first.content[-1].id
+            u1 = first.usage
+            reused = u1.input_tokens + u1.cache_read_input_tokens + u1.output_tokens
+            own = [{"type": "tool_use", "id": tid, "name": "where", "input": {"dir": "pwd"}}]
+            with caplog.at_level(logging.INFO, logger="ds4jax.engine"):
+                b = await client.messages.create(
+                    model=MODEL, max_tokens=8, system=SYSTEM, tools=TOOLS,
+                    messages=[*user("where am I?"), {"role": "assistant", "content": own},
+                              result_turn(tid, "/home/b")],
+                    extra_body=force("b</think>You are in /home/b."),
+                )  # fmt: skip
+            assert "match=tool-output-ids" not in caplog.text
+            assert b.usage.cache_read_input_tokens < reused  # not A's state
+            b_live = next(x.live for x in engine.pool.sessions
+                          if x.live is not None and "/home/b" in "".join(
+                              g.text for g in x.live.segments))  # fmt: skip
+            text = "".join(g.text for g in b_live.segments)
+            assert "pwd" in text and "ls -la" not in text  # its own call, not A's bytes
+            with pytest.raises(anthropic.APIStatusError) as info:  # the result alone
+                await client.messages.create(
+                    model=MODEL, max_tokens=8, system=SYSTEM, tools=TOOLS,
+                    messages=[*user("where am I?"), result_turn(tid, "/home/b")],
+                    extra_body=force("b</think>ok"),
+                )  # fmt: skip
+            assert info.value.status_code in (400, 409)
+            history = [*user("list the files"),
+                       {"role": "assistant", "content": [x.model_dump(exclude_none=True)
+                                                         for x in first.content]},
+                       result_turn(tid)]  # fmt: skip
+            a = await client.messages.create(
+                model=MODEL, max_tokens=8, system=SYSTEM, tools=TOOLS, messages=history,
+                extra_body=force("a</think>Two files."),
+            )  # fmt: skip
+            assert a.usage.cache_read_input_tokens == reused  # A's own turn: still live
+    finally:
+        worker.stop()
