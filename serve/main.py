@@ -176,6 +176,9 @@ def check_flags(args: argparse.Namespace) -> None:
     if not args.stats_interval >= 0:  # -1 ran as 0 (no line) unsaid; NaN too
         raise SystemExit(f"ds4jax serve: --stats-interval {args.stats_interval}: seconds ≥ 0 "
                          "(0: no stats line)")  # fmt: skip
+    if args.kv_disk_space_mb < 1:  # -1 evicted every checkpoint at start-up; 0 meant 4096
+        raise SystemExit(f"ds4jax serve: --kv-disk-space-mb {args.kv_disk_space_mb}: at "
+                         "least 1 MiB")  # fmt: skip
     if args.max_body_bytes < 1:
         raise SystemExit(f"ds4jax serve: --max-body-bytes {args.max_body_bytes}: at least 1")
     if args.queue < 1:  # else an idle server answers every request 503 "busy"

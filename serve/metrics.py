@@ -224,6 +224,7 @@ class _Snapshot:
         counts = {
             "disk_checkpoint_saves": getattr(store, "saved", 0),
             "disk_checkpoint_restores": getattr(store, "restored", 0),
+            "disk_checkpoint_save_failures": getattr(store, "failed", 0),
             "mixed_steps": engine.mixed_steps,
             "mixed_step_prompt_tokens": engine.mixed_prompt_tokens,
             "decode_bursts": engine.bursts,
@@ -305,6 +306,8 @@ GAUGES = {
 STORE_COUNTERS = {
     "disk_checkpoint_saves": "Disk checkpoints written.",
     "disk_checkpoint_restores": "Disk checkpoints loaded into a session.",
+    "disk_checkpoint_save_failures": "Disk checkpoint saves that failed (disk full, "
+    "permissions; the log says why): serving goes on without them.",
     "mixed_steps": "Decode steps a prompt's chunk rode in (--stall-bound).",
     "mixed_step_prompt_tokens": "Prompt tokens evaluated inside decode steps (--stall-bound).",
     "decode_bursts": "Decode programs that took up to --burst tokens per row (the rows only "

@@ -204,6 +204,8 @@ def test_every_readme_command_parses() -> None:
     ("api_key", "", "--api-key .or DS4JAX_API_KEY. is empty"),
     ("stats_interval", -1.0, "--stats-interval -1.0: seconds ≥ 0"),
     ("max_body_bytes", 0, "--max-body-bytes 0: at least 1"),
+    ("kv_disk_space_mb", -1, "--kv-disk-space-mb -1: at least 1 MiB"),
+    ("kv_disk_space_mb", 0, "--kv-disk-space-mb 0: at least 1 MiB"),
 ])  # fmt: skip
 def test_serve_refuses_sizes_no_server_runs_with(flag: str, value: object, says: str) -> None:
     """Refused before the server reports ready (`--ctx -1` served, then refused every request
@@ -219,6 +221,7 @@ def test_serve_refuses_sizes_no_server_runs_with(flag: str, value: object, says:
         "api_key": None,
         "stats_interval": 10.0,
         "max_body_bytes": 1 << 25,
+        "kv_disk_space_mb": 4096,
     }
     with pytest.raises(SystemExit, match=says):
         check_flags(argparse.Namespace(**{**ok, flag: value}))

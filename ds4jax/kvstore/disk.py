@@ -88,6 +88,31 @@ REASONS = tuple(SaveReason)
 _MiB = 1024 * 1024
 
 
+#: directories this process holds (`_hold_directory`): its own stores may reopen them
+_HELD: dict[str, int] = {}
+
+
+def _hold_directory(directory: Path) -> int:
+    """One server per directory: two saved the same text into each other's temporary
+    directories, and one's start-up cleanup removed the other's save in progress. The
+    directory itself is locked (no file added to it), for the life of the process (a
+    crash frees it); stores this process opens again share its lock."""
+    import fcntl
+
+    key = str(directory.resolve())
+    if key in _HELD:
+        return _HELD[key]
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as err:
+        os.close(fd)
+        raise KVStoreError(f"{directory} is in use by another ds4jax serve (one server per "
+                           "--kv-disk-dir)") from err  # fmt: skip
+    _HELD[key] = fd
+    return fd
+
+
 class DiskStore:
     """The disk checkpoint store (see the module docstring).
 
@@ -100,7 +125,7 @@ class DiskStore:
     Policy (ds4's defaults): `min_tokens` for any save or hit; cold saves of cold prefills of
     `min_tokens..cold_max_tokens` tokens (`cold_cut`); `continued_every` (0 = never);
     `evict` and `shutdown` saves of the full live state; each reason can be switched off.
-    `budget_mb` bounds the directory (0 = the default 4096 MiB).
+    `budget_mb` bounds the directory (0 = the default 4096 MiB; `serve` refuses < 1).
     """
 
     def __init__(
@@ -156,9 +181,11 @@ class DiskStore:
         self._lock = threading.RLock()
         self._index = Index(self.directory, fingerprint)
         self._bad: set[str] = set()  # checkpoints whose load failed in this process
-        #: checkpoints written and loaded by this process (the server's metrics)
-        self.saved = self.restored = 0
+        #: checkpoints written, loaded, and saves that failed, in this process (the
+        #: server's metrics: a failing disk shows there, not only in the log)
+        self.saved = self.restored = self.failed = 0
         self._index.make_directory()
+        self._hold = _hold_directory(self.directory)
         with self._lock:
             self._index.clean_tmp()
             self._index.refresh()
@@ -335,6 +362,7 @@ class DiskStore:
         try:
             self._save(tokens, segments, state, reason, tool_memory)
         except Exception as err:
+            self.failed += 1
             log.warning("kv cache store failed (%s) tokens=%d: %s", reason, len(tokens), err)
 
     def _save(self, tokens, segments, state, reason, tool_memory) -> None:
@@ -413,6 +441,7 @@ class DiskStore:
                 os.rename(tmp, final)
             except Exception as err:  # disk full, permissions, Orbax: skip this save
                 shutil.rmtree(tmp, ignore_errors=True)
+                self.failed += 1
                 log.warning("kv cache store failed (%s) tokens=%d: %s", reason, n, err)
                 return
             self._index.entries[key] = Entry(

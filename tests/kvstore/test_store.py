@@ -331,8 +331,29 @@ def test_a_full_disk_skips_the_save_with_a_warning(tmp_path, cfg, caplog, monkey
     assert "kv cache store failed (evict) tokens=100" in caplog.text
     assert "No space left on device" in caplog.text
     assert list(tmp_path.iterdir()) == [] and store.checkpoints() == []
+    assert (store.failed, store.saved) == (1, 0)  # /metrics' save failures counter
     save(store, convo(SYSTEM, "hello"), 100)  # space again: the next save works
-    assert len(store.checkpoints()) == 1
+    assert len(store.checkpoints()) == 1 and (store.failed, store.saved) == (1, 1)
+
+
+def test_a_second_process_cannot_serve_a_directory_one_already_serves(tmp_path, cfg) -> None:
+    """Two servers on one --kv-disk-dir saved the same text into each other's temporary
+    directories, and one's start-up cleanup cut the other's save in progress: the
+    directory is held (flock on it: no file added) by the process that opened it."""
+    import subprocess
+    import sys
+
+    make_store(tmp_path, cfg)
+    script = (
+        "import sys; from ds4jax.kvstore.disk import _hold_directory; from pathlib import Path\n"
+        "try:\n    _hold_directory(Path(sys.argv[1]))\n"
+        "except Exception as e:\n    print(type(e).__name__, e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.stdout.startswith("KVStoreError"), (out.stdout, out.stderr)
+    assert "in use by another ds4jax serve" in out.stdout
+    make_store(tmp_path, cfg)  # this process may open it again (a restart in the tests)
 
 
 def test_startup_removes_leftovers_of_interrupted_saves(tmp_path, cfg) -> None:
