@@ -114,6 +114,8 @@ def agree(what: str, settings: dict[str, Any], client: Any = None,
         keys = sorted(mine.keys() | theirs.keys())
         differ = [k for k in keys if mine.get(k) != theirs.get(k)]
         if differ:
+            if me == 0:  # the followers read this process's values from the service it
+                time.sleep(2.0)  # hosts: a moment for them to, so each names the difference
             said = "; ".join(f"{k}: {mine.get(k)} here, {theirs.get(k)} on process {other}"
                              for k in differ)  # fmt: skip
             hint = ("each host's memory set its default: pass the same --state-budget-mb or "
@@ -134,7 +136,9 @@ def _wait_for(client: Any, key: str, other: int, what: str, timeout_s: float,
             return client.blocking_key_value_get(key, int(max(1.0, min(poll_s, left)) * 1000))
         except Exception as err:  # a round's deadline, or the service itself is gone
             if "DEADLINE_EXCEEDED" not in str(err) and "timed out" not in str(err).lower():
-                raise
+                raise SystemExit(f"ds4jax serve: process {other} left the group before it "
+                                 f"reported its {what} (if it refused them, its log says "
+                                 "why)") from err  # fmt: skip
         if other not in client.get_live_nodes(list(range(jax.process_count()))):
             raise SystemExit(f"ds4jax serve: process {other} left the group before it "
                              f"reported its {what}")  # fmt: skip

@@ -138,7 +138,12 @@ def test_disk_checkpoints_of_the_group_serve_it_and_one_process(
 
     cfg, params, tok, _ = load_model("demo", load_tokenizer=load_tokenizer)
     cfg = cfg.replace(state_dtype=default_state_dtype())  # as the group serves it
-    store = DiskStore.for_model(served_group.kv_dir, cfg, params, tok, max_len=2048)
+    # a copy: the group's leader holds its directory (one server per --kv-disk-dir)
+    import shutil
+    import tempfile
+
+    copy = shutil.copytree(served_group.kv_dir, tempfile.mkdtemp() + "/kv")
+    store = DiskStore.for_model(copy, cfg, params, tok, max_len=2048)
     body = {"system": SYSTEM, "tools": TOOLS,
             "messages": [{"role": "user", "content": "What's the weather in Lima?"}]}  # fmt: skip
     hit = store.lookup(tuple(render(parse_messages_request(body).conversation)))
