@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Quart, Response, g, request
 
 from ds4jax.chat.anthropic import MessagesRequest, parse_messages_request
+from ds4jax.chat.bodies.common import JSONConstant, body_problem
 from ds4jax.chat.chat_completions import parse_chat_request
 from ds4jax.chat.errors import RequestError, field_error
 from ds4jax.chat.kinds import Api
@@ -95,49 +95,21 @@ def _err(
                     headers=headers)  # fmt: skip
 
 
-#: the deepest nesting of arrays and objects a request body may have: far past any tool
-#: schema, and short of what rendering a schema back to JSON (Python's recursion limit) and
-#: the Responses echo (pydantic's depth limit, 255) can take, so depth is one clear 400
-MAX_JSON_DEPTH = 128
-
-
-class _Constant:
-    """`NaN`, `Infinity` or `-Infinity` as written in a body (`decode_json` refuses it)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-
 def decode_json(raw: bytes) -> Any:
-    """A request body as JSON, or a RequestError (400): empty, not JSON, nested too deeply,
-    or holding NaN or an infinity (not JSON numbers: a reply echoing one would not parse;
-    the error names where)."""
+    """A request body as JSON, or a RequestError (400): empty, not JSON, or holding what no
+    field may (`bodies.common.body_problem`: NaN and infinities, nesting too deep, a lone
+    surrogate), named where it is. (`validate` runs the same check for the CLI's bodies.)"""
     if not raw:
         raise RequestError("request body is empty")
     try:
-        body = json.loads(raw, parse_constant=_Constant)
+        body = json.loads(raw, parse_constant=JSONConstant)
     except RecursionError as err:
         raise RequestError("request body is nested too deeply") from err
     except (ValueError, UnicodeDecodeError) as err:
         raise RequestError(f"request body is not valid JSON: {err}") from err
-    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
-    while stack:
-        value, where, depth = stack.pop()
-        if isinstance(value, _Constant):
-            raise field_error(where or "body", f"{value.name} is not a JSON number")
-        if isinstance(value, float) and not math.isfinite(value):  # 1e400: valid JSON
-            raise field_error(where or "body", "a number out of range (beyond float)")
-        if not isinstance(value, dict | list):
-            continue
-        if depth == MAX_JSON_DEPTH:
-            raise RequestError(f"request body is nested too deeply (more than "
-                               f"{MAX_JSON_DEPTH} levels)")  # fmt: skip
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        for key, item in items:
-            if isinstance(item, float | dict | list | _Constant):
-                path = f"{where}[{key}]" if isinstance(key, int) else (
-                    f"{where}.{key}" if where else str(key))  # fmt: skip
-                stack.append((item, path, depth + 1))
+    if (bad := body_problem(body)) is not None:
+        where, what = bad
+        raise field_error(where, what) if where else RequestError(what)
     return body
 
 
@@ -327,16 +299,16 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
             return _err(503, "the model is still loading")
         hint = next((request.headers[h] for h in hint_headers if request.headers.get(h)), None)
 
-        def read(raw: bytes) -> tuple[Any, Any, Any]:
+        def read(raw: bytes) -> tuple[Any, Any, MessagesRequest, Any]:
             body = decode_json(raw)
             converted = parse(body)
-            return body, converted, prepared_request(request_of(converted), api, hint)
+            req = request_of(converted)
+            return body, converted, req, prepared_request(req, api, hint)
 
         try:
-            body, converted, prepared = await off_loop(read, await request.get_data())
+            body, converted, req, prepared = await off_loop(read, await request.get_data())
         except RequestError as err:  # an EngineError is one
             return _client_error(err)
-        req = request_of(converted)
         job = _submit(body, prepared)
         if isinstance(job, Response):
             return job

@@ -10,6 +10,7 @@ fields newer than any published schema.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Annotated, Any, TypeVar
 
@@ -212,24 +213,52 @@ def path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def lone_surrogate(body: Any) -> tuple[str, str] | None:
-    """(JSON path, the escape) of the first string — value or key — holding a lone UTF-16
-    surrogate, else None. JSON's `\\ud800` escapes parse into such strings (a JavaScript
-    client's string cut inside a pair sends one); they are not Unicode text, so no tokenizer
-    takes them, and the request is refused naming the field, as Anthropic's API refuses it."""
+#: the deepest nesting of arrays and objects a request body may have: far past any tool
+#: schema, and short of what rendering a schema back to JSON (Python's recursion limit) and
+#: the Responses echo (pydantic's depth limit, 255) can take, so depth is one clear 400
+MAX_JSON_DEPTH = 128
+
+
+class JSONConstant:
+    """`NaN`, `Infinity` or `-Infinity` as written in a body (`json.loads(parse_constant=)`):
+    not JSON numbers, refused by `body_problem` by name."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def body_problem(body: Any) -> tuple[str, str] | None:
+    """(JSON path, what is wrong) of the first value the request may not hold, else None,
+    in one walk of the body: a string — value or key — holding a lone UTF-16 surrogate
+    (JSON's `\\ud800` escapes parse into such strings, from a JavaScript client's string
+    cut inside a pair: not Unicode text, so no tokenizer takes it, as Anthropic's API
+    refuses it); NaN or an infinity (a reply echoing one would not parse); a number past
+    float range; nesting deeper than `MAX_JSON_DEPTH` (path "")."""
     stack: list[tuple[Any, tuple[int | str, ...]]] = [(body, ())]
     while stack:
         value, at = stack.pop()
+        where = path(at) or "request body"
+        if isinstance(value, dict | list) and len(at) == MAX_JSON_DEPTH:
+            return "", f"request body is nested too deeply (more than {MAX_JSON_DEPTH} levels)"
         if isinstance(value, dict):
             for key, child in reversed(list(value.items())):
                 if (bad := _surrogate(key)) is not None:  # named by where it sits
-                    return path(at) or "request body", f"{bad} in a key"
+                    return where, _surrogate_text(f"{bad} in a key")
                 stack.append((child, (*at, key)))
         elif isinstance(value, list):
             stack.extend((child, (*at, i)) for i, child in reversed(list(enumerate(value))))
+        elif isinstance(value, JSONConstant):
+            return where, f"{value.name} is not a JSON number"
+        elif isinstance(value, float) and not math.isfinite(value):  # 1e400: valid JSON
+            return where, "a number out of range (beyond float)"
         elif (bad := _surrogate(value)) is not None:
-            return path(at) or "request body", bad
+            return where, _surrogate_text(bad)
     return None
+
+
+def _surrogate_text(escape: str) -> str:
+    return (f"holds a lone UTF-16 surrogate ({escape}), which is not Unicode text: send each "
+            "surrogate pair whole")  # fmt: skip
 
 
 def _surrogate(value: Any) -> str | None:
@@ -242,17 +271,13 @@ def _surrogate(value: Any) -> str | None:
 
 
 def validate(model: type[M], body: Any) -> M:
-    """`body` as `model`, or a `RequestError` naming the first bad field's path (a lone
-    surrogate anywhere in it first: `lone_surrogate`)."""
+    """`body` as `model`, or a `RequestError` naming the first bad field's path (a value no
+    field may hold, anywhere in it, first: `body_problem`)."""
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
-    if (bad := lone_surrogate(body)) is not None:
-        where, escape = bad
-        raise field_error(
-            where,
-            f"holds a lone UTF-16 surrogate ({escape}), which is not "
-            "Unicode text: send each surrogate pair whole",
-        )
+    if (bad := body_problem(body)) is not None:
+        where, what = bad
+        raise field_error(where, what) if where else RequestError(what)
     try:
         return model.model_validate(body)
     except ValidationError as err:
