@@ -169,7 +169,7 @@ def latency_rows(tokens: int) -> list[dict[str, Any]]:
             decoding = sum(t is not None for t in engine._rows)
             t = time.perf_counter()
             engine.tick()
-            if decoding == streams and engine._prefilling is None:  # steady state only
+            if decoding == streams and not engine._prefilling:  # steady state only
                 steps.append(time.perf_counter() - t)
         ms = 1000 * np.asarray(steps)
         rows.append({"streams": streams, "steps": len(steps),

@@ -55,7 +55,7 @@ def batches(cfg: Any, params: Any, ctx: int, words: int, reply: int) -> list[dic
         tokens, t0 = 0, None
         while engine.busy:
             active = engine.rows_active
-            if active == 4 and t0 is None and engine._prefilling is None:
+            if active == 4 and t0 is None and not engine._prefilling:
                 t0 = time.perf_counter()
             engine.tick()
             if t0 is not None:

@@ -75,7 +75,7 @@ def _decode(engine: Any, reqs: list[Any]) -> tuple[float, int, int, list[str]]:
     engine.pool = type(engine.pool).create(len(engine.pool.sessions), **engine._pool_args)
     engine.tool_memory = type(engine.tool_memory)()
     tickets = [engine.submit(r) for r in reqs]
-    while engine.waiting or engine._prefilling is not None:
+    while engine.waiting or engine._prefilling:
         engine.tick()
     before = sum(len(t.decoder.generated) for t in tickets if t.decoder is not None)
     t0 = time.perf_counter()

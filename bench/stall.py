@@ -62,9 +62,9 @@ def _long_text(tokenizer, tokens: int) -> str:
     return "".join(line.format(i) for i in range(tokens // per))
 
 
-def _warm(engine, prompt_tokens: int) -> None:
+def _warm(engine, prompt_tokens: int, rows: int = STREAMS) -> None:
     """Compile what the timed part runs beyond `warm_up`, at the long prompt's span: every
-    chunk size as a program of its own, and the mixed steps of four rows with a chunk of
+    chunk size as a program of its own, and the mixed steps of `rows` rows with a chunk of
     each size up to 64 riding in them."""
     import jax
 
@@ -77,11 +77,11 @@ def _warm(engine, prompt_tokens: int) -> None:
         s, _ = prefill(engine.params, state, [engine.tokenizer.bos_id] * size, engine.cfg,
                        chunk_sizes=(size,))  # fmt: skip
         jax.block_until_ready(s.logits)
-    args = step_args(STREAMS)
+    args = step_args(rows)
     for size in (s for s in engine.chunk_sizes if s <= 64):
         scratch = jax.tree.map(jax.numpy.copy, engine._batch)
         chunk = (state, np.zeros(size, np.int32), np.int32(1))
-        out = batch_ops.step(engine.params, scratch, *args, chunk, cfg=engine.cfg, size=STREAMS)
+        out = batch_ops.step(engine.params, scratch, *args, chunk, cfg=engine.cfg, size=rows)
         jax.block_until_ready(out)
 
 
@@ -158,6 +158,61 @@ def scenario(name: str, max_len: int, prompt_tokens: int, stall: float | None,
                                for k, v in sorted(engine.tick_costs.chunk_s.items())},
             "step_costs_ms": {k: round(v * 1e3, 1)
                               for k, v in sorted(engine.tick_costs.step_s.items())}}  # fmt: skip
+
+
+def overtake(name: str, max_len: int, prompt_tokens: int) -> dict[str, Any]:
+    """A short request (a new 'Hi.' conversation, 8 tokens of reply) arriving while a
+    `prompt_tokens` prompt prefills on an idle engine (`interleave.overtakes`): its time to
+    first token then and alone, and the long prompt's prefill alone and with it. Before
+    the short one could start beside the long one, it waited out the whole prefill."""
+    engine = _engine(name, max_len, 2.0)
+    engine.warm_up()
+    texts = [f"Conversation {i}.\n" + _long_text(engine.tokenizer, prompt_tokens)
+             for i in range(3)]  # fmt: skip
+    _warm(engine, len(engine.tokenizer.encode_text(texts[0])) + 16, rows=1)
+
+    def short(i: int) -> tuple[Any, list[float]]:
+        stamps: list[float] = []
+        t = engine.submit(_request(engine, f"Hi {i}.", 8),
+                          on_token=lambda: stamps.append(time.perf_counter()))  # fmt: skip
+        return t, stamps
+
+    def drain() -> None:
+        while engine.busy:
+            engine.tick()
+
+    t0 = time.perf_counter()
+    alone, stamps = short(0)
+    tickets = [alone]
+    while not stamps:
+        engine.tick()
+    ttft_alone = stamps[0] - t0
+    drain()
+    t0 = time.perf_counter()
+    long = engine.submit(_request(engine, texts[0], 1))
+    while long.decoder is None and not long.finished.is_set():
+        engine.tick()
+    long_alone = time.perf_counter() - t0
+    drain()
+    for i in (1, 2):  # the first compiles the mixed steps of this batch's shape
+        t0 = time.perf_counter()
+        long = engine.submit(_request(engine, texts[i], 1))
+        engine.tick()  # in flight: its first chunk evaluated
+        t1 = time.perf_counter()
+        during, stamps = short(i)
+        tickets += [long, during]
+        while not stamps:
+            engine.tick()
+        ttft_during = stamps[0] - t1
+        while long.decoder is None and not long.finished.is_set():
+            engine.tick()
+        long_with = time.perf_counter() - t0
+        drain()
+    assert all(t.error is None for t in tickets), [t.error for t in tickets]
+    return {"prompt_tokens": len(long.tokens), "short_ttft_alone_s": round(ttft_alone, 3),
+            "short_ttft_during_prefill_s": round(ttft_during, 3),
+            "long_prefill_alone_s": round(long_alone, 2),
+            "long_prefill_with_short_s": round(long_with, 2)}  # fmt: skip
 
 
 def serve(name: str, ctx: int, log: Path, args: list[str]) -> tuple[subprocess.Popen, str]:
@@ -272,6 +327,12 @@ def main(quick: bool = False) -> dict[str, Any]:
               f"{r['prefill_tok_s']} tok/s, {r['prefill_tokens_timed']} tokens in "
               f"{r['prefill_seconds_timed']} s (all: ~{r['prefill_seconds_all']} s); "
               f"tokens per tick {r['tokens_per_tick']}", flush=True)  # fmt: skip
+    print(f"-- a short request arrives while a {prompt}-token prompt prefills", flush=True)
+    r = out["overtake"] = overtake(name, max_len, prompt)
+    print(f"   its first token after {r['short_ttft_during_prefill_s']} s (alone "
+          f"{r['short_ttft_alone_s']} s); the long prompt's prefill "
+          f"{r['long_prefill_with_short_s']} s with it, {r['long_prefill_alone_s']} s alone "
+          "(what the short one waited before)", flush=True)  # fmt: skip
     if not quick:  # as a user meets it: a server and streaming SDK clients
         out["http"] = []
         for stall in (None, 2.0):

@@ -22,6 +22,15 @@ The trade is the prompt's own speed: small chunks prefill fewer tokens per secon
 whole ones. `serve --stall-bound` sets `stall`; 0 turns the bound off (whole chunks as
 programs of their own: the prompt at full speed, the streams wait).
 
+Which prompt a tick prefills. A request whose prompt is short — a live tool turn, a side
+request — must not wait out another's long prefill (a sub-agent's 16-token tool result
+behind a main agent's 16k-token cold prompt waited ~15 s on 2 cores): the queue's oldest
+request may start beside the prompts already in flight when its own prefill is at most one
+whole chunk and shorter than what each of them has left (`overtakes`), and each tick
+advances the prompt in flight with the least left (`next_prefill`), unless one has been
+passed over `PASS_BOUND` ticks in a row, so a stream of short requests cannot starve a long
+one. The queue itself stays first come, first served.
+
 Pure data and functions; the engine only measures and follows (`Engine.tick`).
 """
 
@@ -38,6 +47,8 @@ DEFAULT_STALL_BOUND = 2.0
 #: the share of the bound's allowance a chunk's mean cost may take: the gaps vary by ±20%
 #: from tick to tick on a busy CPU
 HEADROOM = 0.8
+#: ticks a prompt in flight may be passed over for shorter ones before it goes first
+PASS_BOUND = 8
 
 
 def _averaged(table: Mapping[int, float], key: int, seconds: float) -> Mapping[int, float]:
@@ -86,3 +97,20 @@ def chunk_limit(sizes: Sequence[int], step_size: int, costs: TickCosts,
     budget = HEADROOM * (stall - 1.0) * step
     fit = [s for s, e in chunk_estimates(costs, sizes).items() if e is not None and e <= budget]
     return max(fit, default=min(sizes))
+
+
+def overtakes(suffix: int, remaining: Sequence[int], sizes: Sequence[int]) -> bool:
+    """Whether a request with `suffix` prompt tokens to evaluate may start prefilling beside
+    the prompts in flight, with `remaining` tokens left each: none in flight, or it fits
+    one whole chunk (the largest of `sizes`) and is shorter than each of them."""
+    return not remaining or (suffix <= max(sizes) and all(suffix < r for r in remaining))
+
+
+def next_prefill(remaining: Sequence[int], passed: Sequence[int]) -> int:
+    """The index of the prompt in flight this tick advances: the earliest one passed over
+    `PASS_BOUND` ticks in a row, else the one with the fewest tokens left (ties: the
+    earliest)."""
+    starved = [i for i, p in enumerate(passed) if p >= PASS_BOUND]
+    if starved:
+        return starved[0]
+    return min(range(len(remaining)), key=lambda i: (remaining[i], i))

@@ -8,7 +8,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ds4jax.interleave import ALPHA, HEADROOM, TickCosts, chunk_estimates, chunk_limit
+from ds4jax.interleave import (
+    ALPHA,
+    HEADROOM,
+    PASS_BOUND,
+    TickCosts,
+    chunk_estimates,
+    chunk_limit,
+    next_prefill,
+    overtakes,
+)
 
 SIZES = (4, 16, 64, 256, 512)
 
@@ -83,3 +92,25 @@ def test_costs_are_moving_averages() -> None:
     assert costs.step_s[2] == pytest.approx((1 - ALPHA) * 1.0 + ALPHA * 2.0)
     assert costs.chunk_s == {16: 3.0}
     assert TickCosts().step_s == {}  # a new record each time, the old one unchanged
+
+
+def test_a_short_prompt_starts_beside_a_long_one_in_flight() -> None:
+    sizes = (16, 64)
+    assert overtakes(5_000, [], sizes)  # nothing in flight: anything starts
+    assert overtakes(16, [15_000], sizes)  # a live tool turn beside a cold 16k prompt
+    assert overtakes(64, [15_000, 65], sizes)
+    assert not overtakes(65, [15_000], sizes)  # more than one whole chunk: it waits
+    assert not overtakes(40, [40], sizes)  # not shorter than what the other has left
+    assert not overtakes(40, [15_000, 30], sizes)
+
+
+@given(st.lists(st.integers(1, 20_000), min_size=1, max_size=6), st.data())
+def test_the_prompt_with_least_left_goes_first_unless_one_starves(remaining, data) -> None:
+    passed = data.draw(st.lists(st.integers(0, PASS_BOUND - 1), min_size=len(remaining),
+                                max_size=len(remaining)))  # fmt: skip
+    i = next_prefill(remaining, passed)
+    assert remaining[i] == min(remaining) and i == remaining.index(min(remaining))
+    starved = data.draw(st.integers(0, len(remaining) - 1))
+    passed[starved] = PASS_BOUND
+    first = next(j for j, p in enumerate(passed) if p >= PASS_BOUND)
+    assert next_prefill(remaining, passed) == first == starved

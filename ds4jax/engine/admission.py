@@ -1,8 +1,9 @@
 """A request's way from the queue to a decode row.
 
 `Admission` routes the oldest waiting request (`continuation.pool.route`: a session and a
-decision), takes its base state (live, fork point, host tier, disk, or empty), prefills the
-suffix a chunk at a time — stopping where the store wants a checkpoint and before a closing
+decision; beside the prompts in flight when its own is short, `interleave.overtakes`),
+takes its base state (live, fork point, host tier, disk, or empty), prefills the suffix a
+chunk at a time — stopping where the store wants a checkpoint and before a closing
 `<think>` worth a fork point — and at the prompt's end retains the prompt as the session's
 frontier and gives it a row. Where a prompt's prefill stops is decided by this module's
 pure functions; `Admission` is a part of `Engine`, which makes and owns every state these
@@ -31,6 +32,7 @@ from ds4jax.decoding import Result, RowDecoder, TokenLogprob, ToolCallStarted
 from ds4jax.engine.placement import place_state
 from ds4jax.engine.requests import Cancelled, EngineError, Prepared, prompt_too_long
 from ds4jax.engine.ticket import Ticket
+from ds4jax.interleave import overtakes
 from ds4jax.kvstore.host import HostState
 from ds4jax.kvstore.store import KVStore, SaveReason
 from ds4jax.model import batch as batch_ops
@@ -103,6 +105,14 @@ def next_chunk(ticket: Ticket, limit: int, chunk_sizes: Sequence[int]) -> tuple[
     return end, size
 
 
+def suffix_estimate(decision: Decision, prompt_tokens: int) -> int:
+    """The tokens a route leaves to prefill, before its suffix is tokenized: exact on the
+    token paths, the request's tokens past the base on the text ones."""
+    if decision.suffix_tokens is not None:
+        return len(decision.suffix_tokens)
+    return max(prompt_tokens - decision.cached, 1)
+
+
 class Admission:
     """Submitting a request, and its prompt's prefill up to the row it takes."""
 
@@ -159,7 +169,7 @@ class Admission:
         written only at the prompt's end); the prefix evaluated so far is kept as a fork
         point, so a client that timed out on a long prompt and sends it again continues
         from there (`route`'s fork-point path) instead of starting over."""
-        self._prefilling = None
+        self._prefilling.remove(ticket)
         done = ticket.done_tokens
         if done > len(ticket.decision.base):
             ids = tuple(ticket.tokens[:done])
@@ -180,20 +190,32 @@ class Admission:
                               **ticket.route_fields()))  # fmt: skip
 
     def _admit(self) -> None:
-        while self.waiting and self._free_row() is not None:
+        """Start the oldest waiting request: when no prompt is in flight, or beside those
+        that are when its prefill is short (`interleave.overtakes`; with data shards one
+        at a time, as a prompt's row must be of its pages' shard). Every prompt in flight
+        has a row free for its end."""
+        while self.waiting and self._free_rows() > len(self._prefilling):
+            if self._prefilling and self.shards > 1:
+                return
             ticket = self.waiting[0]
             with self._state_lock:
                 routed = route(ticket.prepared.view, self.pool, self.store, ticket.prepared.hint,
                                busy=self._busy_slots())  # fmt: skip
             if routed is None:
                 return  # every slot serves an active request: wait for one to finish
+            if isinstance(routed, Route) and not overtakes(
+                suffix_estimate(routed.decision, len(ticket.prepared.view.tokens)),
+                [len(t.tokens) - t.done_tokens for t in self._prefilling],
+                self.chunk_sizes,
+            ):
+                return  # a long prompt waits for the one in flight
             self.waiting.popleft()
             try:
                 self._begin(ticket, routed)
             except Exception as err:
                 ticket.fail(err)
                 continue
-            self._prefilling = ticket
+            self._prefilling.append(ticket)
             return
 
     def _begin(self, ticket: Ticket, routed: Route | Rejection) -> None:
@@ -305,7 +327,7 @@ class Admission:
                 ticket.progress(end - len(ticket.decision.base), ticket.suffix_n)
         if end < len(tokens):
             return
-        self._prefilling = None
+        self._prefilling.remove(ticket)
         try:
             self._prompt_done(ticket)
         except Exception as err:

@@ -156,7 +156,8 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
         #: rows' small parts only (`model.batch.paged_step`)
         self._tables: list[PageTable | None] = [None] * self.max_batch
         self.waiting: deque[Ticket] = deque()
-        self._prefilling: Ticket | None = None
+        #: prompts being prefilled, in the order they started (`interleave.next_prefill`)
+        self._prefilling: list[Ticket] = []
         self._lock = threading.Lock()  # one scheduler step at a time
         self._state_lock = threading.Lock()  # guards live + bindings for readers
         self._special_ids = {tokenizer.special_id(s) for s in specials.TEMPLATE_SPECIALS}

@@ -75,8 +75,7 @@ class Sessions:
 
     def _busy_slots(self) -> frozenset[int]:
         slots = {t.session.slot for t in self._rows if t is not None}
-        if self._prefilling is not None:
-            slots.add(self._prefilling.session.slot)
+        slots.update(t.session.slot for t in self._prefilling)
         return frozenset(slots)
 
     def _enforce_budget(self, keep: int | None, budget: int | None = None, pages: int = 0) -> bool:

@@ -21,7 +21,7 @@ from ds4jax.decoding import SAMPLE, token_logprob
 from ds4jax.engine.admission import next_chunk
 from ds4jax.engine.placement import on_mesh
 from ds4jax.engine.ticket import Ticket
-from ds4jax.interleave import chunk_limit
+from ds4jax.interleave import chunk_limit, next_prefill
 from ds4jax.model import batch as batch_ops
 from ds4jax.model.forward import prefill
 from ds4jax.model.sharding import fetch
@@ -55,7 +55,7 @@ class Stepping:
     @property
     def busy(self) -> bool:
         """Requests waiting, prefilling or decoding."""
-        return bool(self.waiting or self._prefilling is not None or any(self._rows))
+        return bool(self.waiting or self._prefilling or any(self._rows))
 
     @property
     def rows_active(self) -> int:
@@ -63,9 +63,10 @@ class Stepping:
         return sum(t is not None for t in self._rows)
 
     def tick(self, limit: int | None = None) -> None:
-        """One scheduler step: admit the oldest waiting request if a row is free, evaluate
-        the next chunk of the prompt being prefilled, and step every active row. Requests
-        join and leave at step boundaries.
+        """One scheduler step: admit the oldest waiting request if a row is free (beside
+        the prompts in flight if its own is short: `interleave.overtakes`), evaluate the
+        next chunk of one prompt in flight (`_next_prefill`), and step every active row.
+        Requests join and leave at step boundaries.
 
         With `stall_bound`, while rows decode the chunk rides inside their step (a mixed
         step, `model.batch.step`'s `chunk`) and is at most `limit` tokens — by default
@@ -75,14 +76,13 @@ class Stepping:
         (`limit`: the largest size). A group's followers are handed the leader's `limit`."""
         with self._lock:
             self._drop_withdrawn()
-            if self._prefilling is not None and self._prefilling.withdrawn:
-                self._withdraw(self._prefilling)
-            if self._prefilling is None:
-                self._admit()
+            for gone in [t for t in self._prefilling if t.withdrawn]:
+                self._withdraw(gone)
+            self._admit()
             size = self._step_size()
             if limit is None:
                 limit = self.chunk_limit()
-            ticket = self._prefilling
+            ticket = self._next_prefill()
             if ticket is not None and not (size and self.stall_bound):
                 self._prefill_chunk(ticket, limit)
                 ticket = None
@@ -102,6 +102,23 @@ class Stepping:
                 self.mixed_steps += 1
             else:
                 self.tick_costs = self.tick_costs.stepped(stepped, took)
+
+    def _next_prefill(self) -> Ticket | None:
+        """The prompt in flight whose chunk this tick evaluates (`interleave.next_prefill`);
+        the others count a tick passed over."""
+        if not self._prefilling:
+            return None
+        chosen = self._prefilling[next_prefill(
+            [len(t.tokens) - t.done_tokens for t in self._prefilling],
+            [t.passed for t in self._prefilling],
+        )]  # fmt: skip
+        for t in self._prefilling:
+            t.passed = 0 if t is chosen else t.passed + 1
+        return chosen
+
+    def _free_rows(self) -> int:
+        """Batch rows serving no request."""
+        return sum(t is None for t in self._rows)
 
     def chunk_limit(self) -> int:
         """The most prompt tokens the next tick evaluates (`interleave.chunk_limit`)."""
@@ -132,11 +149,9 @@ class Stepping:
         """Fail every request in the scheduler (after a step raised): their rows and the
         batch are dropped; sessions keep their last completed frontiers."""
         with self._lock:
-            tickets = [*self.waiting, *(t for t in self._rows if t is not None)]
-            if self._prefilling is not None:
-                tickets.append(self._prefilling)
+            tickets = [*self.waiting, *self._prefilling, *(t for t in self._rows if t is not None)]
             self.waiting.clear()
-            self._prefilling = None
+            self._prefilling = []
             self._rows = [None] * self.max_batch
             self._release_tables()
             self._batch_span = self.spans[0]
@@ -238,7 +253,7 @@ class Stepping:
         was measured (a prompt that arrives rides in the next step, at a known cost)."""
         size = len(override)
         return (self._bursts_run and filling is None
-                and self._prefilling is None and not self.waiting
+                and not self._prefilling and not self.waiting
                 and (not self.stall_bound or size in self.tick_costs.step_s)
                 and all(override[r] == SAMPLE for r in stepping)
                 and max(self._rows[r].decoder.room(self.burst) for r in stepping) > 1

@@ -44,6 +44,8 @@ class Ticket:
     base_segments: tuple[Segment, ...] = ()
     state: Any = None
     done_tokens: int = 0
+    #: ticks in a row a shorter prompt in flight was prefilled instead (`interleave`)
+    passed: int = 0
     cuts: dict[int, str] = field(default_factory=dict)
     before_think: int | None = None
     before_think_state: Any = None

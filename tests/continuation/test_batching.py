@@ -114,7 +114,7 @@ def test_a_long_prefill_delays_the_others_by_one_chunk_per_step(batch_engine) ->
     while short.decoder is not None and not short.finished.is_set() and long.decoder is None:
         before = len(short.decoder.generated)
         engine.tick()
-        chunks += engine._prefilling is not None or long.decoder is not None
+        chunks += bool(engine._prefilling) or long.decoder is not None
         # one token a tick while the prompt prefills (the tick that ends it may burst)
         assert (len(short.decoder.generated) == before + 1 or short.finished.is_set()
                 or long.decoder is not None)  # fmt: skip
@@ -122,6 +122,41 @@ def test_a_long_prefill_delays_the_others_by_one_chunk_per_step(batch_engine) ->
     while engine.busy:
         engine.tick()
     assert short.error is None and long.error is None
+
+
+def test_a_short_request_overtakes_a_long_prefill(batch_engine) -> None:
+    """A request whose prompt fits one chunk starts beside a long prompt in flight and
+    is answered before that prompt's prefill ends (before, it waited the whole prefill
+    out); one longer than a chunk waits its turn; every reply is its reply served alone."""
+    engine = fresh(batch_engine)
+    texts = {
+        "long": " ".join(f"Rule {i}: keep the tree tidy." for i in range(60)),
+        "short": "Hi.",
+        "medium": " ".join(f"Note {i}: water the plants." for i in range(12)),
+    }
+    solo = {}
+    for name, text in texts.items():
+        fresh(engine)
+        solo[name] = engine.run(prepared(engine, text, 4))
+    fresh(engine)
+    long = engine.submit(prepared(engine, texts["long"], 4))
+    engine.tick()
+    assert engine._prefilling == [long] and len(long.tokens) - long.done_tokens > 5 * 64
+    short = engine.submit(prepared(engine, texts["short"], 4))
+    engine.tick()
+    assert short.decoder is not None and engine._prefilling == [long]  # started, prefilled
+    while not short.finished.is_set():
+        engine.tick()
+    assert long.decoder is None  # the long prompt still prefills
+    medium = engine.submit(prepared(engine, texts["medium"], 4))
+    engine.tick()
+    assert len(medium.prepared.view.tokens) > max(engine.chunk_sizes)
+    assert list(engine.waiting) == [medium] and long.decoder is None  # it waits
+    while engine.busy:
+        engine.tick()
+    for name, ticket in (("long", long), ("short", short), ("medium", medium)):
+        assert ticket.error is None and ticket.result.raw_text == solo[name].raw_text, name
+        assert ticket.result.output_tokens == solo[name].output_tokens
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])

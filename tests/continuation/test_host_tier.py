@@ -141,7 +141,7 @@ def test_a_state_that_cannot_fit_beside_those_in_flight_is_refused_unchanged(eng
         a = {"system": SYSTEM, "messages": [{"role": "user", "content": "First."}]}
         b = {"system": SYSTEM, "messages": [{"role": "user", "content": "Second, meanwhile."}]}
         first = engine.submit(prepared(engine, a, 6))
-        while engine._prefilling is not None or not any(engine._rows):
+        while engine._prefilling or not any(engine._rows):
             engine.tick()  # the first holds a row (and its state) now
         second = engine.submit(prepared(engine, b, 2))
         while not (first.finished.is_set() and second.finished.is_set()):
