@@ -23,6 +23,7 @@ from ds4jax.chat.conversation import Conversation
 from ds4jax.chat.kinds import Api
 from ds4jax.chat.segments import Segment
 from ds4jax.chat.tokenizer import Tokenizer
+from ds4jax.chat.tool_names import NameIndex
 from ds4jax.config import Config
 from ds4jax.continuation.pool import Pool
 from ds4jax.continuation.tool_memory import ToolMemory
@@ -161,6 +162,7 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
         self._lock = threading.Lock()  # one scheduler step at a time
         self._state_lock = threading.Lock()  # guards live + bindings for readers
         self._special_ids = {tokenizer.special_id(s) for s in specials.TEMPLATE_SPECIALS}
+        self.name_index = NameIndex(tokenizer, frozenset(self._special_ids))
         if not 1 <= burst <= batch_ops.BURST_STEPS:
             raise ValueError(f"burst takes 1…{batch_ops.BURST_STEPS} tokens, not {burst}")
         self.burst = burst

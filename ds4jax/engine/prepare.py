@@ -57,7 +57,7 @@ def prepare(
         raise prompt_too_long(len(tokens), max_len, api)
     tail_ids, tail = tool_tail(conversation)
     view = RequestView(segments, tokens, tail_ids, tail, requires_live, api)
-    force = None
+    force, names = None, ()
     choice = (tool_choice or {}).get("type")
     if has_tools and choice in ("any", "tool"):
         force = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="'
@@ -66,6 +66,8 @@ def prepare(
             force += f'{declared[0]}">\n'  # (a small model named a tool it knew instead)
         elif choice == "tool":
             force += f'{tool_choice["name"]}">\n'
+        else:  # the name is sampled, among the declared ones only
+            names = tuple(declared)
     # a final assistant turn (a prefill) is rendered after its `</think>`: what the model
     # continues is content, so the row decodes as without thinking (else its text came back
     # as a thinking block, and a thinking budget forced `</think>` into it)
@@ -80,6 +82,7 @@ def prepare(
         stop_sequences=tuple(s for s in stop_sequences if s),
         thinking_budget=thinking_budget,
         force_after_think=force,
+        tool_names=names,
         single_tool_call=bool((tool_choice or {}).get("disable_parallel_tool_use")),
         hint=hint,
         api=api,

@@ -81,6 +81,9 @@ class Prepared:
     #: `tool_choice` any / tool: the text forced once the reasoning is closed (or at once
     #: without thinking): the DSML block opening, and the tool name for `tool`.
     force_after_think: str | None = None
+    #: `tool_choice` any with several tools: the names the forced call may take, sampled
+    #: among them (`chat.tool_names`)
+    tool_names: tuple[str, ...] = ()
     #: `disable_parallel_tool_use`: close the block after its first invoke.
     single_tool_call: bool = False
     #: a client's session hint (`metadata.user_id`, `x-session-id`, `prompt_cache_key`):

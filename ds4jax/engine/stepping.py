@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import jax
 import numpy as np
 
-from ds4jax.decoding import SAMPLE, token_logprob
+from ds4jax.decoding import CHOOSE, SAMPLE, token_logprob
 from ds4jax.engine.admission import next_chunk
 from ds4jax.engine.placement import on_mesh
 from ds4jax.engine.ticket import Ticket
@@ -25,6 +26,12 @@ from ds4jax.interleave import chunk_limit, next_prefill
 from ds4jax.model import batch as batch_ops
 from ds4jax.model.forward import prefill
 from ds4jax.model.sharding import fetch
+from ds4jax.sampling import sample_rows
+
+#: folded into a row's key for a `CHOOSE` draw, apart from the step's own split of it
+CHOOSE_SALT = 0x4E414D45
+#: one row's draw, on the host's copy of its logits
+_sample_one = jax.jit(sample_rows)
 
 
 def sampling_arrays(size: int) -> tuple[np.ndarray, ...]:
@@ -168,7 +175,7 @@ class Stepping:
         size = self._step_size()
         spec = self.spec
         if (spec is not None and filling is None and 0 < self.rows_active <= self.spec_max_batch
-                and not self._logprob_rows()):  # fmt: skip
+                and not self._logprob_rows() and not self._naming_rows()):  # fmt: skip
             return self._speculative_step(size)
         override = np.full(size, -1, np.int32)
         sampling = sampling_arrays(size)
@@ -186,6 +193,8 @@ class Stepping:
                     continue
                 override[row] = planned
             sampling_row(sampling, row, ticket, self.cfg.vocab_size)
+            if planned == CHOOSE:
+                override[row] = self._choose(row, ticket, sampling)
             stepping.append(row)
         if not stepping:
             return 0, 0
@@ -302,6 +311,25 @@ class Stepping:
                                                        logits[taken - 1, row])  # fmt: skip
             if decoder.done:
                 self._finish_row(row)
+
+    def _naming_rows(self) -> bool:
+        """Whether an active row may have to choose a forced call's name (`CHOOSE`): it
+        steps plain, where its choice is drawn from the logits it holds, never inside a
+        speculative step, which samples from logits the host never sees."""
+        return any(t is not None and t.prepared.tool_names for t in self._rows)
+
+    def _choose(self, row: int, ticket: Ticket, sampling: tuple[np.ndarray, ...]) -> int:
+        """The token a row draws among its decoder's `choices` (`decoding.CHOOSE`): the
+        row's own sampling (`sampling_arrays`' row) over its logits with every other token
+        masked out, keyed by the row's key folded with `CHOOSE_SALT` (so a seeded request
+        repeats); forced into the step like any other token."""
+        logits = fetch(self._batch.logits[row])
+        masked = np.full(logits.shape, -np.inf, np.float32)
+        ids = np.asarray(ticket.decoder.choices, np.int64)
+        masked[ids] = logits[ids]
+        key = jax.random.fold_in(jax.random.wrap_key_data(self._keys[row]), CHOOSE_SALT)
+        picked = _sample_one(masked[None], key[None], *(a[row : row + 1] for a in sampling))
+        return int(np.asarray(picked)[0])
 
     def _logprob_rows(self, rows: Sequence[int] | None = None) -> dict[int, int]:
         """The active rows (of `rows`) that report log-probabilities → their k."""

@@ -4,6 +4,7 @@ it prefills, and that a continued state is exactly a cold prefill of the same to
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from typing import Any
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from ds4jax.continuation.types import CacheSource
-from ds4jax.engine import Engine, EngineError
+from ds4jax.engine import Engine, EngineError, SamplingParams
 from ds4jax.model import batch as batch_ops
 from tests.continuation.conftest import TOOLS, forced, like, prepare, tool_call_text
 
@@ -239,11 +240,12 @@ def test_stop_sequence_truncates_and_reports(engine: Engine) -> None:
     assert res.message.content == "hello "
 
 
-def _choice_request(engine: Engine, tool_choice: dict, thinking: bool = False, budget=None):
+def _choice_request(engine: Engine, tool_choice: dict, thinking: bool = False, budget=None,
+                    tools: list | None = None, sampling: SamplingParams | None = None):  # fmt: skip
     from ds4jax.chat.anthropic import parse_messages_request
 
     body = {
-        "tools": TOOLS,
+        "tools": tools or TOOLS,
         "tool_choice": tool_choice,
         "messages": [{"role": "user", "content": "x"}],
     }
@@ -254,7 +256,7 @@ def _choice_request(engine: Engine, tool_choice: dict, thinking: bool = False, b
     req = parse_messages_request(body)
     return engine.prepare(
         req.conversation, max_tokens=120, has_tools=True, tool_choice=req.tool_choice,
-        thinking_budget=req.thinking_budget,
+        thinking_budget=req.thinking_budget, sampling=sampling,
     )  # fmt: skip
 
 
@@ -281,6 +283,26 @@ def test_tool_choice_any_with_one_tool_forces_its_name(engine: Engine) -> None:
         '<｜DSML｜parameter name="command" string="true">ls</｜DSML｜parameter>\n'
         "</｜DSML｜invoke>\n</｜DSML｜tool_calls>")))  # fmt: skip
     assert [(c.name, c.arguments) for c in res.message.tool_calls] == [("bash", {"command": "ls"})]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_tool_choice_any_among_several_tools_names_a_declared_one(engine: Engine,
+                                                                  temperature) -> None:  # fmt: skip
+    """With several tools the model picks the name, but only among the declared ones
+    (`chat.tool_names`): the tiny random model, free, spelled names nobody declared."""
+    names = ["bash", "read_file", "grep_search", "WebFetch"]
+    tools = [{**TOOLS[0], "name": n} for n in names]
+    seen = []
+    for seed in range(4 if temperature else 1):
+        sampling = SamplingParams(temperature=temperature, seed=seed)
+        prepared = _choice_request(engine, {"type": "any"}, tools=tools, sampling=sampling)
+        assert prepared.tool_names == tuple(names)
+        assert prepared.force_after_think.endswith('<｜DSML｜invoke name="')
+        res = engine.run(prepared)
+        called = re.search(r'<｜DSML｜invoke name="([^"]*)">', res.raw_text)
+        assert called is not None and called.group(1) in names, res.raw_text[:200]
+        seen.append(called.group(1))
+    assert len(seen) == (4 if temperature else 1)
 
 
 def test_a_forced_call_survives_an_eos_sampled_while_thinking(engine: Engine) -> None:

@@ -233,3 +233,24 @@ def test_warm_up_compiles_the_speculative_steps_requests_run(
     assert e.spec.counts.steps > 0 and calls
     assert {c["size"] for _, _, c in calls} >= {4}
     assert all(call in warmed for call in calls)
+
+
+def test_a_forced_call_choosing_among_tools_steps_plain(engines) -> None:
+    """`tool_choice` any among several tools: the row draws its name on the host from the
+    logits it holds (`Stepping._choose`), so while it is active no step is speculative;
+    greedy, both engines call the same declared tool with the same text."""
+    names = ["bash", "read_file", "grep_search"]
+    tools = [{**TOOLS[0], "name": n} for n in names]
+    body = {"tools": tools, "tool_choice": {"type": "any"}, "thinking": {"type": "disabled"},
+            "messages": [{"role": "user", "content": "x"}]}  # fmt: skip
+    out = []
+    for engine in engines:
+        fresh(engine)
+        steps = engine.spec.counts.steps if engine.spec is not None else 0
+        res = engine.run(engine.prepare_request(parse_messages_request(body), max_tokens=24,
+                                                sampling=GREEDY))  # fmt: skip
+        if engine.spec is not None:
+            assert engine.spec.counts.steps == steps
+        out.append(res.raw_text)
+    assert out[0] == out[1]
+    assert any(f'invoke name="{n}">' in out[0] for n in names), out[0][:200]
