@@ -193,7 +193,7 @@ class Stepping:
                     continue
                 override[row] = planned
             sampling_row(sampling, row, ticket, self.cfg.vocab_size)
-            if planned == CHOOSE:
+            if override[row] == CHOOSE:
                 override[row] = self._choose(row, ticket, sampling)
             stepping.append(row)
         if not stepping:
