@@ -26,6 +26,7 @@ from ds4jax.chat import specials
 from ds4jax.chat.kinds import Api, Finish
 from ds4jax.chat.segments import Segment, normalize
 from ds4jax.chat.turn import Event, ParsedMessage
+from ds4jax.continuation.decide import cold, match_disk
 from ds4jax.continuation.pool import Route, route
 from ds4jax.continuation.types import CacheSource, Decision, LiveFrontier, Rejection, source_label
 from ds4jax.decoding import Result, RowDecoder, TokenLogprob, ToolCallStarted
@@ -44,6 +45,9 @@ from ds4jax.model.state import holds
 log = logging.getLogger("ds4jax.engine")
 
 THINK_START_SEGMENT = Segment(specials.THINK_START, True)
+
+#: checkpoints a request tries to load, longest first, before it prefills cold
+DISK_TRIES = 3
 
 
 def save_points(
@@ -225,14 +229,17 @@ class Admission:
         if isinstance(routed, Rejection):
             raise EngineError(routed.status, routed.message, routed.error_type)
         decision, session = routed.decision, self.pool.sessions[routed.slot]
-        if decision.source == CacheSource.DISK:
+        tries = 0
+        while decision.source == CacheSource.DISK:
             try:
                 disk_state = decision.disk.load()
-            except Exception as err:  # a checkpoint that cannot load is never served
-                log.warning(
-                    "kv store: load of %s failed (%s); cold prefill", decision.disk.key, err
-                )
-                decision = Decision(CacheSource.COLD, (), suffix_tokens=prepared.view.tokens)
+                break
+            except Exception as err:  # a checkpoint that cannot load is never served: the
+                tries += 1  # store no longer offers it, so the next longest is tried
+                shorter = match_disk(prepared.view, self.store) if tries < DISK_TRIES else None
+                then = "the next longest checkpoint" if shorter else "cold prefill"
+                log.warning("kv store: load of %s failed (%s); %s", decision.disk.key, err, then)
+                decision = shorter or cold(prepared.view)
         if decision.source == CacheSource.COLD:
             base_state, base_segments = self._empty, ()
         elif decision.source == CacheSource.DISK:

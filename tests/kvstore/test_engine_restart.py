@@ -178,3 +178,29 @@ def test_a_cold_prefill_saves_the_shared_prefix(model, tmp_path) -> None:
     engine.reset()
     _, res = greedy(engine, other, 1)
     assert res.source == CacheSource.DISK and res.cached == ckpt["tokens"]
+
+
+def test_a_checkpoint_that_cannot_load_falls_back_to_the_next_longest(model, tmp_path,
+                                                                      caplog) -> None:  # fmt: skip
+    """Two checkpoints of one conversation (its shared prefix, saved cold, and its live
+    state at exit): the longer one truncated, the request resumes from the shorter one and
+    prefills the rest — before, any failed load meant a cold prefill of everything."""
+    engine = new_engine(model, tmp_path, cold=True)
+    body, res = tool_turn(engine, LONG_SYSTEM)
+    engine.shutdown()
+    ckpts = sorted(engine.store.checkpoints(), key=lambda c: c["tokens"])
+    assert [c["reason"] for c in ckpts] == ["cold", "shutdown"], ckpts
+    short, long = ckpts
+    data = max((tmp_path / long["key"] / "state").rglob("*"), key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[:-100])  # truncated
+
+    restarted = new_engine(model, tmp_path, cold=True)
+    with caplog.at_level(logging.WARNING):
+        req, res2 = greedy(restarted, with_tool_result(body, res))
+    assert f"kv store: load of {long['key']} failed" in caplog.text
+    assert "the next longest checkpoint" in caplog.text
+    assert res2.source == CacheSource.DISK and res2.cached == short["tokens"]
+    assert res2.cached + res2.prefilled == len(req.view.tokens)
+    fresh = new_engine(model, tmp_path / "none")
+    _, cold = greedy(fresh, with_tool_result(body, res))
+    assert res2.raw_text == cold.raw_text
