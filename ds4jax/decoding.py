@@ -3,7 +3,8 @@
 The engine steps every active request together (`model.batch.step`); what each row does
 between steps is here: before a step, `plan` says which token to force (tool_choice, a
 spent thinking budget, teacher forcing), that the row samples — or samples among a few
-tokens only (`CHOOSE`: a forced call's name, `chat.tool_names`) —, or that it is finished
+tokens only (`CHOOSE`: a call's name under `tool_choice` any, `chat.tool_names`) —, or
+that it is finished
 (cancelled, max_tokens, a full context); after the step, `accept` takes the token the row
 evaluated — or sampled EOS, which is never evaluated — feeds the streaming DSML parser and
 the stop sequences, and may finish the row. `finish` turns the row's final state into its
@@ -26,7 +27,7 @@ from ds4jax.chat.dsml_parse import DSMLStreamParser, find_stop, stop_safe_len
 from ds4jax.chat.ids import id_stream, new_tool_id
 from ds4jax.chat.kinds import Api, Finish
 from ds4jax.chat.segments import Segment, normalize, template
-from ds4jax.chat.tool_names import allowed, finished, targets
+from ds4jax.chat.tool_names import NAME_OPEN, NameIndex, allowed, targets
 from ds4jax.chat.turn import Event, ParsedMessage, ToolUseStart, collect_events
 from ds4jax.continuation.types import CacheSource, LiveFrontier, ThinkingBinding, ToolBinding
 
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from ds4jax.engine.requests import Prepared
 
 SAMPLE = -1  # `plan`: no forced token, the row samples
-#: `plan`: the row samples among `RowDecoder.choices` only (a forced call's name)
+#: `plan`: the row samples among `RowDecoder.choices` only (a call's name)
 CHOOSE = -2
 ID_PREFIXES = {Api.ANTHROPIC: "toolu_"}  # the OpenAI protocols: `call_`
 
@@ -120,6 +121,8 @@ class RowOwner(Protocol):
     tokenizer: Tokenizer
     max_len: int
     tool_memory: ToolMemory
+    #: the tokens a call's name may take (`tool_choice` any among several tools)
+    name_index: NameIndex
     #: held while `finish` writes the session's frontier and bindings
     _state_lock: threading.Lock
 
@@ -163,10 +166,10 @@ class RowDecoder:
         self.queue: list[int] = []  # tokens forced by tool_choice / disable_parallel_tool_use
         self.forced_at = 0
         self.pending_force = prepared.force_after_think
-        #: with `tool_choice` any among several tools: what the forced call's name must
-        #: spell, where in `generated` it begins (once forced), and the next token's choices
+        #: with `tool_choice` any among several tools: what a call's name must spell, the
+        #: bytes of the one being spelled (None: none is), and the next token's choices
         self.name_goals = targets(prepared.tool_names)
-        self.name_from: int | None = None
+        self.name_written: bytes | None = None
         self.choices: list[int] = []
         self.closed_single = False
         self._id_hex = id_stream(prepared.nonce)
@@ -214,8 +217,6 @@ class RowDecoder:
         if self.pending_force is not None and not self.in_thinking:
             self.queue = tok.encode_segments(template(self.pending_force))
             self.pending_force = None
-            if self.name_goals:
-                self.name_from = len(self.generated) + len(self.queue)
         if self.queue:  # server-forced tokens (tool_choice) come first
             return self.queue.pop(0)
         if (
@@ -230,16 +231,13 @@ class RowDecoder:
                 return None
             self.forced_at += 1
             return int(self.forced[self.forced_at - 1])
-        if self.name_from is not None:
-            written = b"".join(tok.token_bytes(t) for t in self.generated[self.name_from :])
-            self.choices = [] if finished(written, self.name_goals) else allowed(
-                self.engine.name_index, written, self.name_goals)  # fmt: skip
-            if not self.choices:  # a declared name spelled out: the call goes on freely
-                self.name_from = None
-            elif len(self.choices) == 1:
-                return self.choices[0]
-            else:
+        if self.name_written is not None:
+            self.choices = allowed(self.engine.name_index, self.name_written, self.name_goals)
+            if len(self.choices) > 1:
                 return CHOOSE
+            if self.choices:
+                return self.choices[0]
+            self.name_written = None  # a dead end (no token spells the rest): left free
         return SAMPLE
 
     def room(self, most: int) -> int:
@@ -288,6 +286,12 @@ class RowDecoder:
         if t == self.think_end:
             self.in_thinking = False
         self.raw += self.utf8.decode(tok.token_bytes(t))
+        if self.name_written is not None:
+            self.name_written += tok.token_bytes(t)
+            if self.name_written in self.name_goals:  # spelled out: the call goes on freely
+                self.name_written = None
+        elif self.name_goals and not self.in_thinking and self.raw.endswith(NAME_OPEN):
+            self.name_written = b""  # a call's name begins (the forced one, or another)
         stops = p.stop_sequences
         hit = find_stop(self.raw, stops) if stops else None
         if hit is not None:

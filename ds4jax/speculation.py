@@ -32,10 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ds4jax.config import Config
+from ds4jax.decoding import CHOOSE, SAMPLE
 from ds4jax.model import batch as batch_ops
 from ds4jax.model.speculative import Verify, draft_rows
-
-SAMPLE = -1  # `Planner.plan`: no forced token, the row samples
 
 #: the largest batch a speculative step runs at by default, per platform: measured with
 #: `python -m bench speculative` (CPU, 2026-12-05: no batch size pays — see docs/batching.md,
@@ -135,7 +134,7 @@ class Speculator:
         if dec.done:
             return plan  # its last token is evaluated, then it leaves
         nxt = dec.plan()
-        if nxt is None:
+        if nxt is None or nxt == CHOOSE:  # a name's token: drawn in a plain step
             return plan
         if nxt != SAMPLE:
             dec.accept(nxt)
@@ -197,7 +196,7 @@ class Speculator:
             self.pending[row] = -1
             if not dec.done:
                 nxt = dec.plan()
-                if nxt is not None:
+                if nxt is not None and nxt != CHOOSE:  # a name's token: the next plain step's
                     token = int(y[row]) if nxt == SAMPLE else nxt
                     dec.accept(token)
                     decided += 1

@@ -34,7 +34,7 @@ from ds4jax.engine.prepare import prepare, segments_of
 from ds4jax.engine.requests import Prepared, SamplingParams
 from ds4jax.engine.sessions import Sessions
 from ds4jax.engine.speculative import Speculating
-from ds4jax.engine.stepping import Stepping, sampling_arrays
+from ds4jax.engine.stepping import Stepping, draw_among, sampling_arrays
 from ds4jax.engine.ticket import Ticket
 from ds4jax.interleave import TickCosts
 from ds4jax.kvstore.background import BackgroundSaves
@@ -300,10 +300,14 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
         and spans compile on first use, then come from the persistent cache). `logprobs`:
         each of those steps' variant that reports log-probabilities too (else the first
         request asking for them compiles it). With speculation, each size's speculative
-        step."""
+        step. And what a call's name under `tool_choice` any needs: the token index and
+        the host's draw (a first such request stalled every stream ~1 s on them)."""
         for size in self.chunk_sizes:
             state = self._prefill(self._empty, [self.tokenizer.bos_id] * size, (size,))
             state.logits.block_until_ready()
+        _ = self.name_index.by_bytes  # built once, here
+        draw_among(np.zeros(self.cfg.vocab_size, np.float32), [0, 1],
+                   np.zeros(2, np.uint32), sampling_arrays(1))  # fmt: skip
         # the batched step at every size up to max_batch, on a throwaway batch of the same
         # shapes (rows of the real one may be decoding), and the row insert / extract; with
         # pages, on the pool itself through null tables (nothing is read or written)

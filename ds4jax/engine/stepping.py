@@ -34,6 +34,17 @@ CHOOSE_SALT = 0x4E414D45
 _sample_one = jax.jit(sample_rows)
 
 
+def draw_among(logits: np.ndarray, ids: Sequence[int], key_data: np.ndarray,
+               sampling: tuple[np.ndarray, ...]) -> int:  # fmt: skip
+    """One of `ids`, drawn by `sampling` (one row of `sampling_arrays`) from `logits` [V]
+    with every other token masked out, keyed by `key_data` folded with `CHOOSE_SALT`."""
+    masked = np.full(logits.shape, -np.inf, np.float32)
+    ids = np.asarray(ids, np.int64)
+    masked[ids] = logits[ids]
+    key = jax.random.fold_in(jax.random.wrap_key_data(key_data), CHOOSE_SALT)
+    return int(np.asarray(_sample_one(masked[None], key[None], *sampling))[0])
+
+
 def sampling_arrays(size: int) -> tuple[np.ndarray, ...]:
     """A step's per-row (temperature, top_k, top_p, min_p), each off."""
     return (
@@ -313,23 +324,19 @@ class Stepping:
                 self._finish_row(row)
 
     def _naming_rows(self) -> bool:
-        """Whether an active row may have to choose a forced call's name (`CHOOSE`): it
-        steps plain, where its choice is drawn from the logits it holds, never inside a
-        speculative step, which samples from logits the host never sees."""
-        return any(t is not None and t.prepared.tool_names for t in self._rows)
+        """Whether an active row is spelling a call's name (`CHOOSE`): it steps plain, where
+        its choice is drawn from the logits it holds, never inside a speculative step,
+        which samples from logits the host never sees."""
+        return any(t is not None and t.decoder is not None and t.decoder.name_written is not None
+                   for t in self._rows)  # fmt: skip
 
     def _choose(self, row: int, ticket: Ticket, sampling: tuple[np.ndarray, ...]) -> int:
         """The token a row draws among its decoder's `choices` (`decoding.CHOOSE`): the
         row's own sampling (`sampling_arrays`' row) over its logits with every other token
         masked out, keyed by the row's key folded with `CHOOSE_SALT` (so a seeded request
         repeats); forced into the step like any other token."""
-        logits = fetch(self._batch.logits[row])
-        masked = np.full(logits.shape, -np.inf, np.float32)
-        ids = np.asarray(ticket.decoder.choices, np.int64)
-        masked[ids] = logits[ids]
-        key = jax.random.fold_in(jax.random.wrap_key_data(self._keys[row]), CHOOSE_SALT)
-        picked = _sample_one(masked[None], key[None], *(a[row : row + 1] for a in sampling))
-        return int(np.asarray(picked)[0])
+        return draw_among(fetch(self._batch.logits[row]), ticket.decoder.choices,
+                          self._keys[row], tuple(a[row : row + 1] for a in sampling))  # fmt: skip
 
     def _logprob_rows(self, rows: Sequence[int] | None = None) -> dict[int, int]:
         """The active rows (of `rows`) that report log-probabilities → their k."""

@@ -1,4 +1,5 @@
-"""The tokens a forced call's name may take (`chat.tool_names`), on the real tokenizer."""
+"""The tokens a call's name may take under `tool_choice` any (`chat.tool_names`), on the
+real tokenizer."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from hypothesis import strategies as st
 
 from ds4jax.chat import specials
 from ds4jax.chat.tokenizer import V4Tokenizer
-from ds4jax.chat.tool_names import NameIndex, allowed, finished, targets
+from ds4jax.chat.tool_names import NAME_END, NameIndex, allowed, targets
 
-NAMES = ["get_weather", "get_time", "search", "Read", "Bash", "mcp__github__create_issue"]
+NAMES = ["get_weather", "get_time", "search", "Read", "read", "read_file",
+         "mcp__github__create_issue", "a"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +27,24 @@ def test_every_allowed_token_keeps_the_name_on_a_declared_one(index) -> None:
     first = allowed(index, b"", goals)
     assert first and len(first) < 500
     for t in first:
-        w = tok.token_bytes(t)
-        assert any(g.startswith(w) or w.startswith(g) for g in goals), w
+        assert any(g.startswith(tok.token_bytes(t)) for g in goals), tok.token_bytes(t)
     assert not set(first) & index.special
     for bad in ("foo", " get", "Get", '"'):  # another name, a space, a case, an empty name
         assert tok.encode_text(bad)[0] not in first, bad
+
+
+def test_a_name_ends_at_its_line_end_and_never_runs_on(index) -> None:
+    """`">\\n` closes the name, and no token past it is allowed: a run-on such as `">$` or
+    `">{` left the call's markup broken (the demo model took one in 40% of its turns)."""
+    goals = targets(NAMES)
+    tok = index.tokenizer
+    after = allowed(index, b'read">', goals)
+    assert [tok.token_bytes(t) for t in after] == [b"\n"]
+    before_close = {tok.token_bytes(t) for t in allowed(index, b"read", goals)}
+    assert b'"' in before_close and b"_file" in before_close  # closing, or `read_file`
+    assert not any(len(b) > 3 and b.startswith(b'">') for b in before_close)
+    assert b'">{' not in before_close and b'">\n\n' not in before_close
+    assert allowed(index, b'read">\n', goals) == []  # spelled out: the call goes on freely
 
 
 def test_each_name_as_the_tokenizer_spells_it_is_allowed_step_by_step(index) -> None:
@@ -37,12 +52,10 @@ def test_each_name_as_the_tokenizer_spells_it_is_allowed_step_by_step(index) -> 
     tok = index.tokenizer
     for name in NAMES:
         written = b""
-        for t in tok.encode_text(name + '">\n'):
-            if finished(written, goals):
-                break
+        for t in tok.encode_text(name + NAME_END):
             assert t in allowed(index, written, goals), (name, written, tok.token_bytes(t))
             written += tok.token_bytes(t)
-        assert finished(written, goals) and written.startswith(f'{name}">'.encode())
+        assert written in goals and allowed(index, written, goals) == []
 
 
 @settings(max_examples=60, deadline=None)
@@ -51,10 +64,9 @@ def test_any_walk_through_the_allowed_tokens_names_a_declared_tool(index, data) 
     goals = targets(NAMES)
     written = b""
     for _ in range(64):
-        if finished(written, goals):
-            break
         options = allowed(index, written, goals)
-        assert options, written  # never a dead end
+        if not options:
+            break
         written += index.tokenizer.token_bytes(data.draw(st.sampled_from(options)))
-    name = written.split(b'">', 1)[0].decode()
-    assert name in NAMES
+    assert written in goals
+    assert written.removesuffix(NAME_END.encode()).decode() in NAMES

@@ -299,10 +299,47 @@ def test_tool_choice_any_among_several_tools_names_a_declared_one(engine: Engine
         assert prepared.tool_names == tuple(names)
         assert prepared.force_after_think.endswith('<｜DSML｜invoke name="')
         res = engine.run(prepared)
-        called = re.search(r'<｜DSML｜invoke name="([^"]*)">', res.raw_text)
+        called = re.search(r'<｜DSML｜invoke name="([^"]*)">\n', res.raw_text)
         assert called is not None and called.group(1) in names, res.raw_text[:200]
         seen.append(called.group(1))
     assert len(seen) == (4 if temperature else 1)
+
+
+def test_every_call_of_a_forced_block_is_held_to_the_declared_names(engine: Engine) -> None:
+    """A second call in the block (the model opens another `invoke name="`) is held to the
+    declared names as the forced one was; the name ends at its line, then the row samples
+    freely. The row's decoder, driven token by token."""
+    from ds4jax.chat.segments import template
+    from ds4jax.chat.tool_names import NAME_END
+    from ds4jax.decoding import CHOOSE, SAMPLE, RowDecoder
+
+    names = ["bash", "read_file", "grep_search"]
+    tools = [{**TOOLS[0], "name": n} for n in names]
+    prepared = _choice_request(engine, {"type": "any"}, tools=tools)
+    tok = engine.tokenizer
+    dec = RowDecoder(engine, prepared, engine.pool.sessions[0], list(prepared.view.tokens),
+                     prepared.view.segments, lambda _e: None, None, None)  # fmt: skip
+
+    def spell(name: str) -> None:
+        for t in tok.encode_text(name + NAME_END):
+            planned = dec.plan()
+            assert (planned == CHOOSE and t in dec.choices) or planned == t, (name, planned)
+            assert all(any(g.startswith(dec.name_written + tok.token_bytes(c))
+                           for g in dec.name_goals) for c in dec.choices)  # fmt: skip
+            dec.accept(t)
+        assert dec.name_written is None and dec.plan() == SAMPLE
+
+    while (planned := dec.plan()) not in (CHOOSE, SAMPLE):  # the forced opening
+        dec.accept(planned)
+    assert dec.raw.endswith('invoke name="') and dec.name_written == b""
+    spell("read_file")
+    between = '<｜DSML｜parameter name="command" string="true">ls</｜DSML｜parameter>\n'
+    between += '</｜DSML｜invoke>\n<｜DSML｜invoke name="'
+    for t in tok.encode_segments(template(between)):
+        dec.accept(t)
+    assert dec.name_written == b""  # the second call's name is held too
+    assert dec.plan() == CHOOSE and tok.encode_text("add")[0] not in dec.choices
+    spell("bash")
 
 
 def test_a_forced_call_survives_an_eos_sampled_while_thinking(engine: Engine) -> None:

@@ -235,10 +235,11 @@ def test_warm_up_compiles_the_speculative_steps_requests_run(
     assert all(call in warmed for call in calls)
 
 
-def test_a_forced_call_choosing_among_tools_steps_plain(engines) -> None:
+def test_a_call_naming_among_tools_steps_plain_only_while_it_spells_it(engines) -> None:
     """`tool_choice` any among several tools: the row draws its name on the host from the
-    logits it holds (`Stepping._choose`), so while it is active no step is speculative;
-    greedy, both engines call the same declared tool with the same text."""
+    logits it holds (`Stepping._choose`), in plain steps while it spells the name, and
+    speculates before and after (a first cut kept speculation off for the request's whole
+    life, and every other row's with it); greedy, both engines write the same call."""
     names = ["bash", "read_file", "grep_search"]
     tools = [{**TOOLS[0], "name": n} for n in names]
     body = {"tools": tools, "tool_choice": {"type": "any"}, "thinking": {"type": "disabled"},
@@ -250,7 +251,7 @@ def test_a_forced_call_choosing_among_tools_steps_plain(engines) -> None:
         res = engine.run(engine.prepare_request(parse_messages_request(body), max_tokens=24,
                                                 sampling=GREEDY))  # fmt: skip
         if engine.spec is not None:
-            assert engine.spec.counts.steps == steps
+            assert engine.spec.counts.steps > steps  # speculated around the name
         out.append(res.raw_text)
     assert out[0] == out[1]
-    assert any(f'invoke name="{n}">' in out[0] for n in names), out[0][:200]
+    assert any(f'invoke name="{n}">\n' in out[0] for n in names), out[0][:200]
