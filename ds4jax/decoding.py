@@ -188,6 +188,14 @@ class RowDecoder:
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def naming(self) -> bool:
+        """Whether this row spells, or may next spell, a call's name held to the declared
+        ones (`tool_choice` any among several tools): from its forced opening on — a
+        second call may open in the block — so it steps plain, its choices drawn from the
+        logits it holds (a speculative step's drafts and samples never see the mask)."""
+        return bool(self.name_goals) and self.pending_force is None
+
     def _push(self, events: list[Event]) -> None:
         for ev in events:
             self.events.append(ev)

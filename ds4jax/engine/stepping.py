@@ -324,10 +324,9 @@ class Stepping:
                 self._finish_row(row)
 
     def _naming_rows(self) -> bool:
-        """Whether an active row is spelling a call's name (`CHOOSE`): it steps plain, where
-        its choice is drawn from the logits it holds, never inside a speculative step,
-        which samples from logits the host never sees."""
-        return any(t is not None and t.decoder is not None and t.decoder.name_written is not None
+        """Whether an active row spells, or may next spell, a call's name
+        (`RowDecoder.naming`): it steps plain, never inside a speculative step."""
+        return any(t is not None and t.decoder is not None and t.decoder.naming
                    for t in self._rows)  # fmt: skip
 
     def _choose(self, row: int, ticket: Ticket, sampling: tuple[np.ndarray, ...]) -> int:

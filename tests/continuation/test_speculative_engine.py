@@ -237,21 +237,23 @@ def test_warm_up_compiles_the_speculative_steps_requests_run(
 
 def test_a_call_naming_among_tools_steps_plain_only_while_it_spells_it(engines) -> None:
     """`tool_choice` any among several tools: the row draws its name on the host from the
-    logits it holds (`Stepping._choose`), in plain steps while it spells the name, and
-    speculates before and after (a first cut kept speculation off for the request's whole
-    life, and every other row's with it); greedy, both engines write the same call."""
+    logits it holds (`Stepping._choose`), in plain steps from the forced call opening on,
+    and speculates while it reasons (a first cut kept speculation off for the request's
+    whole life, and every other row's with it); greedy, both engines write the same
+    reasoning and call."""
     names = ["bash", "read_file", "grep_search"]
     tools = [{**TOOLS[0], "name": n} for n in names]
-    body = {"tools": tools, "tool_choice": {"type": "any"}, "thinking": {"type": "disabled"},
+    body = {"tools": tools, "tool_choice": {"type": "any"},
+            "thinking": {"type": "enabled", "budget_tokens": 12},
             "messages": [{"role": "user", "content": "x"}]}  # fmt: skip
     out = []
     for engine in engines:
         fresh(engine)
         steps = engine.spec.counts.steps if engine.spec is not None else 0
-        res = engine.run(engine.prepare_request(parse_messages_request(body), max_tokens=24,
+        res = engine.run(engine.prepare_request(parse_messages_request(body), max_tokens=40,
                                                 sampling=GREEDY))  # fmt: skip
         if engine.spec is not None:
-            assert engine.spec.counts.steps > steps  # speculated around the name
+            assert engine.spec.counts.steps > steps  # speculated while it reasoned
         out.append(res.raw_text)
     assert out[0] == out[1]
     assert any(f'invoke name="{n}">\n' in out[0] for n in names), out[0][:200]
