@@ -161,10 +161,12 @@ def scenario(name: str, max_len: int, prompt_tokens: int, stall: float | None,
 
 
 def overtake(name: str, max_len: int, prompt_tokens: int) -> dict[str, Any]:
-    """A short request (a new 'Hi.' conversation, 8 tokens of reply) arriving while a
-    `prompt_tokens` prompt prefills on an idle engine (`interleave.overtakes`): its time to
-    first token then and alone, and the long prompt's prefill alone and with it. Before
-    the short one could start beside the long one, it waited out the whole prefill."""
+    """A short request (a new 'Hi.' conversation, 8 tokens of reply) arriving once a quarter
+    of a `prompt_tokens` prompt is dispatched on an idle engine (`interleave.overtakes`):
+    its time to first token then and alone, and the long prompt's prefill alone and with
+    it. Before the short one could start beside the long one, it waited out the whole
+    prefill; before the prefill kept one chunk queued ahead and no more, it queued behind
+    every chunk already dispatched."""
     engine = _engine(name, max_len, 2.0)
     engine.warm_up()
     texts = [f"Conversation {i}.\n" + _long_text(engine.tokenizer, prompt_tokens)
@@ -197,7 +199,8 @@ def overtake(name: str, max_len: int, prompt_tokens: int) -> dict[str, Any]:
     for i in (1, 2):  # the first compiles the mixed steps of this batch's shape
         t0 = time.perf_counter()
         long = engine.submit(_request(engine, texts[i], 1))
-        engine.tick()  # in flight: its first chunk evaluated
+        while long.done_tokens < len(engine.tokenizer.encode_text(texts[i])) // 4:
+            engine.tick()  # a quarter of the prompt dispatched
         t1 = time.perf_counter()
         during, stamps = short(i)
         tickets += [long, during]

@@ -24,12 +24,14 @@ programs of their own: the prompt at full speed, the streams wait).
 
 Which prompt a tick prefills. A request whose prompt is short — a live tool turn, a side
 request — must not wait out another's long prefill (a sub-agent's 16-token tool result
-behind a main agent's 16k-token cold prompt waited ~15 s on 2 cores): the queue's oldest
-request may start beside the prompts already in flight when its own prefill is at most one
-whole chunk and shorter than what each of them has left (`overtakes`), and each tick
-advances the prompt in flight with the least left (`next_prefill`), unless one has been
-passed over `PASS_BOUND` ticks in a row, so a stream of short requests cannot starve a long
-one. The queue itself stays first come, first served.
+behind a main agent's 16k-token cold prompt waited ~15 s on 2 cores): a waiting request may
+start beside the prompts already in flight when its own prefill is at most one whole chunk,
+shorter than what each of them has left, and replaces no agent's session between two tool
+turns (`overtakes`), and each tick advances the prompt in flight with the least left
+(`next_prefill`), unless one has been passed over `PASS_BOUND` ticks in a row, so a stream
+of short requests cannot starve a long one. Which waiting request may try is the engine's
+(`engine.admission`): the oldest, or a later one that continues a conversation a session
+holds.
 
 Pure data and functions; the engine only measures and follows (`Engine.tick`).
 """
@@ -99,11 +101,19 @@ def chunk_limit(sizes: Sequence[int], step_size: int, costs: TickCosts,
     return max(fit, default=min(sizes))
 
 
-def overtakes(suffix: int, remaining: Sequence[int], sizes: Sequence[int]) -> bool:
+def overtakes(suffix: int, remaining: Sequence[int], sizes: Sequence[int],
+              displaces: bool = False) -> bool:  # fmt: skip
     """Whether a request with `suffix` prompt tokens to evaluate may start prefilling beside
     the prompts in flight, with `remaining` tokens left each: none in flight, or it fits
-    one whole chunk (the largest of `sizes`) and is shorter than each of them."""
-    return not remaining or (suffix <= max(sizes) and all(suffix < r for r in remaining))
+    one whole chunk (the largest of `sizes`), is shorter than each of them, and replaces no
+    agent's session between two tool turns (`displaces`): a prompt in flight holds its own
+    session, so one started beside it can only replace another's, and an agent's whose
+    tool results are coming would then not continue live — waiting leaves the choice to
+    when the prompt in flight is done (with two sessions, two agents' first turns started
+    beside a long prompt displaced each other, and no tool turn continued live)."""
+    if not remaining:
+        return True
+    return not displaces and suffix <= max(sizes) and all(suffix < r for r in remaining)
 
 
 def next_prefill(remaining: Sequence[int], passed: Sequence[int]) -> int:

@@ -102,6 +102,9 @@ def test_a_short_prompt_starts_beside_a_long_one_in_flight() -> None:
     assert not overtakes(65, [15_000], sizes)  # more than one whole chunk: it waits
     assert not overtakes(40, [40], sizes)  # not shorter than what the other has left
     assert not overtakes(40, [15_000, 30], sizes)
+    # one that would replace another conversation's live session waits for the prompt
+    assert not overtakes(16, [15_000], sizes, displaces=True)
+    assert overtakes(16, [], sizes, displaces=True)  # with none in flight it starts
 
 
 @given(st.lists(st.integers(1, 20_000), min_size=1, max_size=6), st.data())

@@ -13,6 +13,7 @@ methods write (`core`).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import threading
 import time
@@ -48,6 +49,11 @@ THINK_START_SEGMENT = Segment(specials.THINK_START, True)
 
 #: checkpoints a request tries to load, longest first, before it prefills cold
 DISK_TRIES = 3
+#: waiting requests looked at for one to start beside the prompts in flight
+ADMISSION_SCAN = 8
+#: routes that continue a conversation a session holds (no session taken)
+CONTINUES = (CacheSource.LIVE_TOOL, CacheSource.THINKING_VISIBLE, CacheSource.TOKEN_PREFIX,
+             CacheSource.TEXT_PREFIX)  # fmt: skip
 
 
 def save_points(
@@ -194,26 +200,17 @@ class Admission:
                               **ticket.route_fields()))  # fmt: skip
 
     def _admit(self) -> None:
-        """Start the oldest waiting request: when no prompt is in flight, or beside those
-        that are when its prefill is short (`interleave.overtakes`; with data shards one
-        at a time, as a prompt's row must be of its pages' shard). Every prompt in flight
-        has a row free for its end."""
+        """Start a waiting request (`_next_admission`) if a row is free for it — every
+        prompt in flight has one for its end; with data shards one at a time, as a
+        prompt's row must be of its pages' shard."""
         while self.waiting and self._free_rows() > len(self._prefilling):
             if self._prefilling and self.shards > 1:
                 return
-            ticket = self.waiting[0]
-            with self._state_lock:
-                routed = route(ticket.prepared.view, self.pool, self.store, ticket.prepared.hint,
-                               busy=self._busy_slots())  # fmt: skip
-            if routed is None:
-                return  # every slot serves an active request: wait for one to finish
-            if isinstance(routed, Route) and not overtakes(
-                suffix_estimate(routed.decision, len(ticket.prepared.view.tokens)),
-                [len(t.tokens) - t.done_tokens for t in self._prefilling],
-                self.chunk_sizes,
-            ):
-                return  # a long prompt waits for the one in flight
-            self.waiting.popleft()
+            picked = self._next_admission()
+            if picked is None:
+                return
+            ticket, routed = picked
+            self.waiting.remove(ticket)
             try:
                 self._begin(ticket, routed)
             except Exception as err:
@@ -221,6 +218,38 @@ class Admission:
                 continue
             self._prefilling.append(ticket)
             return
+
+    def _next_admission(self) -> tuple[Ticket, Route | Rejection] | None:
+        """The waiting request to start now, and its route: the oldest — beside prompts in
+        flight only when its prefill is short (`interleave.overtakes`) — or, while the
+        oldest waits for them, a later short one that continues a conversation a session
+        holds (it takes no session, so starting it first changes nothing the oldest will
+        find; an agent's live tool turn no longer waits behind a new conversation waiting
+        for a long prompt). None: nothing starts this tick."""
+        remaining = [len(t.tokens) - t.done_tokens for t in self._prefilling]
+        for i, ticket in enumerate(itertools.islice(self.waiting, ADMISSION_SCAN)):
+            with self._state_lock:
+                routed = route(ticket.prepared.view, self.pool, self.store, ticket.prepared.hint,
+                               busy=self._busy_slots())  # fmt: skip
+            if not remaining:  # the oldest starts whole, unless every slot is busy
+                return None if routed is None else (ticket, routed)
+            if routed is None or isinstance(routed, Rejection):
+                if i == 0 and routed is not None:
+                    return ticket, routed  # refused at once
+                continue
+            own = routed.displaced is None and routed.decision.source in CONTINUES
+            suffix = suffix_estimate(routed.decision, len(ticket.prepared.view.tokens))
+            if (i == 0 or own) and overtakes(suffix, remaining, self.chunk_sizes,
+                                             displaces=self._displaces_agent(routed)):  # fmt: skip
+                return ticket, routed
+        return None
+
+    def _displaces_agent(self, routed: Route) -> bool:
+        """Whether the route replaces the live session of an agent between two tool turns
+        (its tool results may come next: `interleave.overtakes`)."""
+        if routed.displaced is None or not routed.displaced.pos:
+            return False
+        return self.pool.sessions[routed.slot].bindings.tool is not None
 
     def _begin(self, ticket: Ticket, routed: Route | Rejection) -> None:
         """Apply the routing decision: the base state, the suffix, the log line, the evict
@@ -310,11 +339,18 @@ class Admission:
         ticket.t0 = time.perf_counter()
 
     def _prefill_chunk(self, ticket: Ticket, limit: int) -> None:
-        """Evaluate the prompt's next chunk (`_next_chunk`) as a program of its own."""
+        """Evaluate the prompt's next chunk (`_next_chunk`) as a program of its own, and
+        wait for the one before it: one chunk queued ahead keeps the device busy, and no
+        more — dispatched without waiting, a 15k-token prompt's 30 chunks were queued in
+        milliseconds, so a short request started beside it queued its own chunk behind all
+        of them (9 s to its first token), and one arriving later was not even admitted
+        until the prompt's end."""
         nxt = next_chunk(ticket, limit, self.chunk_sizes)
         if nxt is not None:
             end, size = nxt
-            state = self._prefill(ticket.state, ticket.tokens[ticket.done_tokens : end], (size,))
+            before = ticket.state
+            state = self._prefill(before, ticket.tokens[ticket.done_tokens : end], (size,))
+            before.logits.block_until_ready()
             self._chunk_done(ticket, state, end)
         else:
             self._chunk_done(ticket, ticket.state, ticket.done_tokens)

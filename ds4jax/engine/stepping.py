@@ -102,6 +102,7 @@ class Stepping:
                 limit = self.chunk_limit()
             ticket = self._next_prefill()
             if ticket is not None and not (size and self.stall_bound):
+                self._prefilled(ticket)
                 self._prefill_chunk(ticket, limit)
                 ticket = None
             elif ticket is not None and size not in self.tick_costs.step_s:
@@ -113,8 +114,10 @@ class Stepping:
             took = time.perf_counter() - t0
             if not stepped:
                 if ticket is not None:  # every row ended before stepping
+                    self._prefilled(ticket)
                     self._prefill_chunk(ticket, limit)
             elif chunk:
+                self._prefilled(ticket)
                 self.tick_costs = self.tick_costs.chunked(
                     chunk, took - self.tick_costs.step_s[stepped])  # fmt: skip
                 self.mixed_steps += 1
@@ -122,17 +125,19 @@ class Stepping:
                 self.tick_costs = self.tick_costs.stepped(stepped, took)
 
     def _next_prefill(self) -> Ticket | None:
-        """The prompt in flight whose chunk this tick evaluates (`interleave.next_prefill`);
-        the others count a tick passed over."""
+        """The prompt in flight whose chunk this tick evaluates (`interleave.next_prefill`)."""
         if not self._prefilling:
             return None
-        chosen = self._prefilling[next_prefill(
+        return self._prefilling[next_prefill(
             [len(t.tokens) - t.done_tokens for t in self._prefilling],
             [t.passed for t in self._prefilling],
         )]  # fmt: skip
+
+    def _prefilled(self, chosen: Ticket) -> None:
+        """A chunk of `chosen` is evaluated this tick: the other prompts in flight count a
+        tick passed over (a tick that runs no chunk counts for none)."""
         for t in self._prefilling:
             t.passed = 0 if t is chosen else t.passed + 1
-        return chosen
 
     def _free_rows(self) -> int:
         """Batch rows serving no request."""

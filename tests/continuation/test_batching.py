@@ -159,6 +159,54 @@ def test_a_short_request_overtakes_a_long_prefill(batch_engine) -> None:
         assert ticket.result.output_tokens == solo[name].output_tokens
 
 
+def test_a_prefill_keeps_one_chunk_queued_ahead_and_no_more(batch_engine) -> None:
+    """Each tick dispatches the prompt's next chunk and waits for the one before it: a
+    short request admitted at any tick queues behind one chunk, not the whole prompt
+    (dispatched without waiting, a 15k-token prompt's chunks were all queued within
+    milliseconds, and a short request waited 9 s for its first token over HTTP)."""
+    engine = fresh(batch_engine)
+    long = engine.submit(prepared(engine, " ".join(f"Rule {i}: keep it tidy." for i in range(90)),
+                                  2))  # fmt: skip
+    states = []
+    while long.decoder is None:
+        engine.tick()
+        states.append(long.state)
+    assert len(states) >= 6
+    assert all(s.logits.is_ready() for s in states[:-1])  # all but the last tick's chunk
+    while engine.busy:
+        engine.tick()
+
+
+def test_a_new_request_waits_rather_than_replace_an_agent_between_tool_turns(_engine) -> None:
+    """With the other session holding an agent between two tool turns, a new short request
+    beside a long prompt in flight could only replace the agent's session: it waits for
+    the prompt (with two sessions, two agents' first turns started beside a long prompt
+    displaced each other and no tool turn continued live). The agent's tool-result turn,
+    arriving after it, starts at once all the same — it takes no session — and continues
+    live."""
+    engine = like(_engine, sessions=2, max_batch=4)
+    body = {"system": "You are an agent.", "tools": TOOLS,
+            "messages": [{"role": "user", "content": "list"}]}  # fmt: skip
+    first = engine.run(engine.prepare_request(parse_messages_request(body), max_tokens=200),
+                       forced_tokens=forced(engine, tool_call_text("ls")))  # fmt: skip
+    long = engine.submit(prepared(engine, " ".join(f"Rule {i}: tidy." for i in range(120)), 2))
+    engine.tick()
+    assert engine._prefilling == [long]
+    newcomer = engine.submit(prepared(engine, "Hi.", 2))
+    engine.tick()
+    assert list(engine.waiting) == [newcomer] and engine._prefilling == [long]  # it waits
+    turn = engine.submit(engine.prepare_request(
+        parse_messages_request(ls_result_turn(body, first.tool_ids[0])), max_tokens=2,
+        sampling=GREEDY))  # fmt: skip
+    engine.tick()
+    assert turn.decoder is not None and long.decoder is None  # started beside the prompt
+    assert list(engine.waiting) == [newcomer]
+    while engine.busy:
+        engine.tick()
+    assert turn.result.source is CacheSource.LIVE_TOOL and turn.result.session == first.session
+    assert all(t.error is None for t in (long, newcomer, turn))
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
 def test_a_prompt_that_arrives_while_rows_decode_rides_in_their_steps(batch_engine,
                                                                         paged) -> None:  # fmt: skip
