@@ -27,7 +27,7 @@ from ds4jax.chat.dsml_parse import DSMLStreamParser, find_stop, stop_safe_len
 from ds4jax.chat.ids import id_stream, new_tool_id
 from ds4jax.chat.kinds import Api, Finish
 from ds4jax.chat.segments import Segment, normalize, template
-from ds4jax.chat.tool_names import NAME_OPEN, NameIndex, allowed, targets
+from ds4jax.chat.tool_names import DSML_TAG, NAME_OPEN, NameIndex, allowed, targets
 from ds4jax.chat.turn import Event, ParsedMessage, ToolUseStart, collect_events
 from ds4jax.continuation.types import CacheSource, LiveFrontier, ThinkingBinding, ToolBinding
 
@@ -191,10 +191,16 @@ class RowDecoder:
     @property
     def naming(self) -> bool:
         """Whether this row spells, or may next spell, a call's name held to the declared
-        ones (`tool_choice` any among several tools): from its forced opening on — a
-        second call may open in the block — so it steps plain, its choices drawn from the
-        logits it holds (a speculative step's drafts and samples never see the mask)."""
-        return bool(self.name_goals) and self.pending_force is None
+        ones (`tool_choice` any among several tools): while it spells one, and while its
+        text since its last DSML marker could still become a call's opening — so it steps
+        plain, its choices drawn from the logits it holds (a speculative step's drafts and
+        samples never see the mask); its reasoning and a call's arguments speculate."""
+        if not self.name_goals or self.pending_force is not None:
+            return False
+        if self.name_written is not None:
+            return True
+        at = self.raw.rfind(DSML_TAG)
+        return at >= 0 and NAME_OPEN.startswith(self.raw[at:])
 
     def _push(self, events: list[Event]) -> None:
         for ev in events:
@@ -293,13 +299,14 @@ class RowDecoder:
         self.tokens.append(t)
         if t == self.think_end:
             self.in_thinking = False
-        self.raw += self.utf8.decode(tok.token_bytes(t))
+        piece = self.utf8.decode(tok.token_bytes(t))
+        self.raw += piece
         if self.name_written is not None:
             self.name_written += tok.token_bytes(t)
             if self.name_written in self.name_goals:  # spelled out: the call goes on freely
                 self.name_written = None
-        elif self.name_goals and not self.in_thinking and self.raw.endswith(NAME_OPEN):
-            self.name_written = b""  # a call's name begins (the forced one, or another)
+        elif self.name_goals and not self.in_thinking:
+            self._name_opened(len(piece))
         stops = p.stop_sequences
         hit = find_stop(self.raw, stops) if stops else None
         if hit is not None:
@@ -328,6 +335,19 @@ class RowDecoder:
                 close = "\n</" + specials.DSML + "tool_calls>"
                 self.queue = tok.encode_segments(template(close))
                 self.closed_single = True
+
+    def _name_opened(self, last: int) -> None:
+        """A call's name begins when the row's text ends in its opening — the forced one's
+        or another call's — or when the last token (`last` characters of it) ran past the
+        opening into the name (`="_`, `"github`: 152 V4 tokens straddle it): held from
+        there while that start is on a declared name (one that is not cannot be taken
+        back)."""
+        at = self.raw.rfind(NAME_OPEN, max(0, len(self.raw) - last - len(NAME_OPEN)))
+        if at < 0 or at + len(NAME_OPEN) <= len(self.raw) - last:
+            return  # none, or one that ended before this token
+        written = self.raw[at + len(NAME_OPEN) :].encode("utf-8")
+        if written not in self.name_goals and any(g.startswith(written) for g in self.name_goals):
+            self.name_written = written
 
     def finish(self, state: Any) -> Result:
         """The row's final state (holding `self.tokens`) becomes its session's live frontier;

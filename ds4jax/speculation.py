@@ -123,6 +123,8 @@ class Speculator:
             planned = dec.plan()
             if planned is None:
                 return None
+            if planned == CHOOSE:  # the engine steps a naming row plain (`_naming_rows`)
+                raise RuntimeError(f"row {row} spells a call's name: it cannot speculate")
             if planned == SAMPLE:
                 return Plan(SAMPLE, self.position(row, dec))
             dec.accept(planned)

@@ -22,8 +22,9 @@ from functools import cached_property
 from ds4jax.chat import specials
 from ds4jax.chat.tokenizer_base import Tokenizer
 
-#: what opens a call's name in a DSML block, and what closes it
-NAME_OPEN = "<" + specials.DSML + 'invoke name="'
+#: what opens a DSML tag, a call's name in a block, and what closes the name
+DSML_TAG = "<" + specials.DSML
+NAME_OPEN = DSML_TAG + 'invoke name="'
 NAME_END = '">\n'
 
 

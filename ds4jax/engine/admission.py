@@ -34,9 +34,9 @@ from ds4jax.decoding import Result, RowDecoder, TokenLogprob, ToolCallStarted
 from ds4jax.engine.placement import place_state
 from ds4jax.engine.requests import Cancelled, EngineError, Prepared, prompt_too_long
 from ds4jax.engine.ticket import Ticket
-from ds4jax.interleave import overtakes
+from ds4jax.interleave import PASS_BOUND, overtakes
 from ds4jax.kvstore.host import HostState
-from ds4jax.kvstore.store import KVStore, SaveReason
+from ds4jax.kvstore.store import KVStore, NoStore, SaveReason
 from ds4jax.model import batch as batch_ops
 from ds4jax.model.forward import plan_chunks
 from ds4jax.model.page_io import PagedFrontier
@@ -51,6 +51,8 @@ THINK_START_SEGMENT = Segment(specials.THINK_START, True)
 DISK_TRIES = 3
 #: waiting requests looked at for one to start beside the prompts in flight
 ADMISSION_SCAN = 8
+#: what candidates beside prompts in flight are routed with (`_next_admission`)
+NO_STORE = NoStore()
 #: routes that continue a conversation a session holds (no session taken)
 CONTINUES = (CacheSource.LIVE_TOOL, CacheSource.THINKING_VISIBLE, CacheSource.TOKEN_PREFIX,
              CacheSource.TEXT_PREFIX)  # fmt: skip
@@ -216,6 +218,7 @@ class Admission:
             except Exception as err:
                 ticket.fail(err)
                 continue
+            ticket.passed = 0
             self._prefilling.append(ticket)
             return
 
@@ -223,26 +226,45 @@ class Admission:
         """The waiting request to start now, and its route: the oldest — beside prompts in
         flight only when its prefill is short (`interleave.overtakes`) — or, while the
         oldest waits for them, a later short one that continues a conversation a session
-        holds (it takes no session, so starting it first changes nothing the oldest will
-        find; an agent's live tool turn no longer waits behind a new conversation waiting
-        for a long prompt). None: nothing starts this tick."""
+        holds, other than one the oldest continues (an agent's live tool turn no longer waits
+        behind a new conversation waiting for a long prompt), at most `PASS_BOUND` times
+        in a row. None: nothing starts this tick.
+
+        Beside prompts in flight the candidates are routed without the disk store (a
+        lookup waits for the store's pending saves: a tick froze for a whole checkpoint
+        write): what starts beside them is short, and the one that starts is routed again
+        with the store."""
         remaining = [len(t.tokens) - t.done_tokens for t in self._prefilling]
-        for i, ticket in enumerate(itertools.islice(self.waiting, ADMISSION_SCAN)):
-            with self._state_lock:
-                routed = route(ticket.prepared.view, self.pool, self.store, ticket.prepared.hint,
-                               busy=self._busy_slots())  # fmt: skip
-            if not remaining:  # the oldest starts whole, unless every slot is busy
-                return None if routed is None else (ticket, routed)
+        if not remaining:  # the oldest starts whole, unless every slot is busy
+            ticket = self.waiting[0]
+            routed = self._route(ticket, self.store)
+            return None if routed is None else (ticket, routed)
+        head, head_slot = self.waiting[0], None
+        for i, ticket in enumerate(list(itertools.islice(self.waiting, ADMISSION_SCAN))):
+            routed = self._route(ticket, NO_STORE)
             if routed is None or isinstance(routed, Rejection):
                 if i == 0 and routed is not None:
                     return ticket, routed  # refused at once
                 continue
-            own = routed.displaced is None and routed.decision.source in CONTINUES
+            if i == 0 and routed.decision.source in CONTINUES:
+                head_slot = routed.slot  # the session the oldest continues: kept for it
+            own = (routed.displaced is None and routed.decision.source in CONTINUES
+                   and routed.slot != head_slot and head.passed < PASS_BOUND)  # fmt: skip
             suffix = suffix_estimate(routed.decision, len(ticket.prepared.view.tokens))
             if (i == 0 or own) and overtakes(suffix, remaining, self.chunk_sizes,
                                              displaces=self._displaces_agent(routed)):  # fmt: skip
+                routed = self._route(ticket, self.store)
+                if routed is None:
+                    return None
+                if i:
+                    head.passed += 1
                 return ticket, routed
         return None
+
+    def _route(self, ticket: Ticket, store: Any) -> Route | Rejection | None:
+        with self._state_lock:
+            return route(ticket.prepared.view, self.pool, store, ticket.prepared.hint,
+                         busy=self._busy_slots())  # fmt: skip
 
     def _displaces_agent(self, routed: Route) -> bool:
         """Whether the route replaces the live session of an agent between two tool turns

@@ -81,10 +81,10 @@ class Stepping:
         return sum(t is not None for t in self._rows)
 
     def tick(self, limit: int | None = None) -> None:
-        """One scheduler step: admit the oldest waiting request if a row is free (beside
-        the prompts in flight if its own is short: `interleave.overtakes`), evaluate the
-        next chunk of one prompt in flight (`_next_prefill`), and step every active row.
-        Requests join and leave at step boundaries.
+        """One scheduler step: admit a waiting request if a row is free (the oldest, or
+        beside the prompts in flight a short one: `Admission._next_admission`), evaluate
+        the next chunk of one prompt in flight (`_next_prefill`), and step every active
+        row. Requests join and leave at step boundaries.
 
         With `stall_bound`, while rows decode the chunk rides inside their step (a mixed
         step, `model.batch.step`'s `chunk`) and is at most `limit` tokens — by default

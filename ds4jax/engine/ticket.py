@@ -44,7 +44,8 @@ class Ticket:
     base_segments: tuple[Segment, ...] = ()
     state: Any = None
     done_tokens: int = 0
-    #: ticks in a row a shorter prompt in flight was prefilled instead (`interleave`)
+    #: ticks in a row a shorter prompt in flight was prefilled instead (`interleave`); while
+    #: it waits first in line, the later requests started past it (`Admission`)
     passed: int = 0
     cuts: dict[int, str] = field(default_factory=dict)
     before_think: int | None = None

@@ -342,6 +342,46 @@ def test_every_call_of_a_forced_block_is_held_to_the_declared_names(engine: Engi
     spell("bash")
 
 
+def test_a_token_running_past_a_call_opening_is_held_and_the_window_steps_plain(
+    engine: Engine,
+) -> None:
+    """A sampled token may straddle a second call's opening into its name (V4's `"github`
+    after `invoke name=`): the name is held from what it wrote. And the row counts as
+    naming (plain steps, no speculation) while its text could still become a call's
+    opening or spells a name, not while it writes a call's arguments."""
+    from ds4jax.chat.segments import template
+    from ds4jax.decoding import CHOOSE, SAMPLE, RowDecoder
+
+    names = ["github_search", "bash"]
+    tools = [{**TOOLS[0], "name": n} for n in names]
+    prepared = _choice_request(engine, {"type": "any"}, tools=tools)
+    tok = engine.tokenizer
+    dec = RowDecoder(engine, prepared, engine.pool.sessions[0], list(prepared.view.tokens),
+                     prepared.view.segments, lambda _e: None, None, None)  # fmt: skip
+    assert not dec.naming  # the opening is not forced yet
+    while (planned := dec.plan()) not in (CHOOSE, SAMPLE):
+        dec.accept(planned)
+    assert dec.naming
+    for t in tok.encode_text('bash">\n'):
+        dec.accept(t)
+    for t in tok.encode_segments(template('<｜DSML｜parameter name="command" string="true">')):
+        dec.accept(t)
+    assert dec.name_written is None and not dec.naming  # its arguments: it may speculate
+    for t in tok.encode_segments(template("ls</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜")):
+        dec.accept(t)
+    assert dec.naming  # its text could become a call's opening
+    for t in tok.encode_segments(template("invoke name=")):
+        dec.accept(t)
+    straddle = next(t for t, b in ((t, tok.token_bytes(t)) for t in range(tok.vocab_size))
+                    if b == b'"github')  # fmt: skip
+    dec.accept(straddle)
+    assert dec.name_written == b"github" and dec.naming
+    planned = dec.plan()
+    choices = [tok.token_bytes(c) for c in dec.choices] if planned == CHOOSE else [
+        tok.token_bytes(planned)]  # fmt: skip
+    assert all(b'github_search">\n'.startswith(b"github" + c) for c in choices)
+
+
 def test_a_forced_call_survives_an_eos_sampled_while_thinking(engine: Engine) -> None:
     """`tool_choice` any must end in a call: an EOS sampled inside the reasoning (seen: 1 in
     12 turns of the demo model) becomes the reasoning's close, then the forced opening; it

@@ -237,10 +237,10 @@ def test_warm_up_compiles_the_speculative_steps_requests_run(
 
 def test_a_call_naming_among_tools_steps_plain_only_while_it_spells_it(engines) -> None:
     """`tool_choice` any among several tools: the row draws its name on the host from the
-    logits it holds (`Stepping._choose`), in plain steps from the forced call opening on,
-    and speculates while it reasons (a first cut kept speculation off for the request's
-    whole life, and every other row's with it); greedy, both engines write the same
-    reasoning and call."""
+    logits it holds (`Stepping._choose`), in plain steps while it spells it (or its text
+    could become a call's opening), and speculates while it reasons (a first cut kept
+    speculation off for the request's whole life, and every other row's with it); greedy,
+    both engines write the same reasoning and call."""
     names = ["bash", "read_file", "grep_search"]
     tools = [{**TOOLS[0], "name": n} for n in names]
     body = {"tools": tools, "tool_choice": {"type": "any"},
