@@ -262,9 +262,11 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
     @property
     def _rows_follow_steps(self) -> bool:
         """The batch holds the rows a step runs, not `max_batch` (`_fit_rows`): dense rows
-        on one data shard. Paged rows hold small parts only (nothing big to copy); data
-        shards always step the whole batch."""
-        return self.pages is None and self.shards == 1
+        on one data shard. Paged rows hold small parts only (nothing big to copy); rows
+        split over a data axis keep `max_batch`, a multiple of it (a batch of one row did
+        not split: `serve --mesh data=4,expert=2` without `--paged` refused to start)."""
+        data = 1 if self.mesh is None else int(dict(self.mesh.shape).get(DATA_AXIS, 1))
+        return self.pages is None and data == 1
 
     def _fit_rows(self, need: int) -> None:
         """The batch at `bucket(need)` rows (every active row below `need`): a step of four

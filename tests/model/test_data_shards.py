@@ -161,6 +161,13 @@ SCRIPT = textwrap.dedent(
 
     alone = Engine(cfg, jax.device_put(params, jax.devices()[0]), tok, **kw)
     want, _ = conversations(alone)
+    # dense rows split over data too (`serve --mesh data=…` without `--paged`): its batch
+    # keeps max_batch rows (a batch of one did not split, and the engine refused to start)
+    dense = Engine(cfg, shard_params(params, cfg, mesh), tok, mesh=mesh,
+                   **{k: v for k, v in kw.items() if k != "paged_pages"})
+    got_dense, _ = conversations(dense)
+    assert [text for text, _ in got_dense] == [text for text, _ in want], (got_dense, want)
+    print("dense_rows_split_over_data")
     engine = Engine(cfg, shard_params(params, cfg, mesh), tok, mesh=mesh, **kw)
     assert engine.shards == 2
     got, tickets = conversations(engine)
