@@ -13,6 +13,8 @@ import logging
 from dataclasses import replace
 from typing import Any
 
+import jax
+
 from ds4jax.chat.segments import normalize
 from ds4jax.continuation.pool import (
     Pool,
@@ -28,6 +30,7 @@ from ds4jax.engine.requests import EngineError, Prepared
 from ds4jax.kvstore.host import HostState, least_bytes, to_host
 from ds4jax.kvstore.pages import pages_for
 from ds4jax.kvstore.store import NoStore, SaveReason
+from ds4jax.model.sharding import fetch
 from ds4jax.model.state import capacity_bytes
 
 #: one logger for the whole engine, so its lines keep the name they always had
@@ -157,6 +160,11 @@ class Sessions:
                 state = state.dense()
             elif self.pages is not None:
                 state = self.pages.dense(state)
+            if not all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(state)):
+                # split over processes (a group's mesh without a data axis): every process
+                # gathers it here, in step, and process 0's store writes it (the store's
+                # writer could not read the other processes' parts: every save failed)
+                state = jax.tree.map(fetch, state)
             self.store.save(
                 tokens, normalize(self.segments_of(tokens)), state, reason, self.tool_memory
             )
