@@ -98,7 +98,8 @@ def _err(
 def decode_json(raw: bytes) -> Any:
     """A request body as JSON, or a RequestError (400): empty, not JSON, or holding what no
     field may (`bodies.common.body_problem`: NaN and infinities, nesting too deep, a lone
-    surrogate), named where it is. (`validate` runs the same check for the CLI's bodies.)"""
+    surrogate), named where it is. Its parse is then told so (`checked=True`): `validate`
+    runs the same walk for the CLI's bodies, once a body."""
     if not raw:
         raise RequestError("request body is empty")
     try:
@@ -238,7 +239,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
         return Response(json.dumps(model_obj(model_id)), content_type="application/json")
 
     def counted(raw: bytes) -> int:
-        req = parse_messages_request(decode_json(raw), max_context=engine.max_len)
+        req = parse_messages_request(decode_json(raw), max_context=engine.max_len, checked=True)
         attach_tool_memory(req.conversation, engine.tool_memory.block_for)
         return len(engine.tokenizer.encode_segments(render(req.conversation)))
 
@@ -322,7 +323,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
         return await _answer(
             Api.ANTHROPIC,
             lambda b: parse_messages_request(
-                b, max_context=engine.max_len, require_max_tokens=True
+                b, max_context=engine.max_len, require_max_tokens=True, checked=True
             ),
             lambda req: req,
             ("x-session-id",),
@@ -336,7 +337,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
         return await _answer(
             Api.RESPONSES,
             lambda b: parse_responses_request(
-                b, max_context=engine.max_len, unseal=config.seal.open
+                b, max_context=engine.max_len, unseal=config.seal.open, checked=True
             ),
             lambda rreq: rreq.request,
             ("session-id", "x-session-id"),
@@ -351,7 +352,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> Quart:
         cid = chat_wire.new_completion_id()
         return await _answer(
             Api.CHAT,
-            lambda b: parse_chat_request(b, max_context=engine.max_len),
+            lambda b: parse_chat_request(b, max_context=engine.max_len, checked=True),
             lambda creq: creq.request,
             ("session-id", "x-session-id"),
             lambda creq: chat_wire.ChatStream(cid, creq.request.model, creq.include_usage),

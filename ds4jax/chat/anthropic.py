@@ -184,15 +184,19 @@ def thinking_controls(
 
 
 def parse_messages_request(
-    body: Any, *, max_context: int | None = None, require_max_tokens: bool = False
+    body: Any,
+    *,
+    max_context: int | None = None,
+    require_max_tokens: bool = False,
+    checked: bool = False,
 ) -> MessagesRequest:
     """Validate and convert a `/v1/messages` (or `count_tokens`) body.
 
     `max_context` is the server's context size (it gates Think-Max); None means "as
-    requested". `count_tokens` bodies have no `max_tokens`, hence `require_max_tokens`."""
-    return messages_request(
-        validate(MessagesBody if require_max_tokens else CountTokensBody, body), max_context
-    )
+    requested". `count_tokens` bodies have no `max_tokens`, hence `require_max_tokens`.
+    `checked`: `validate`'s."""
+    model = MessagesBody if require_max_tokens else CountTokensBody
+    return messages_request(validate(model, body, checked=checked), max_context)
 
 
 def messages_request(b: MessagesBody, max_context: int | None = None) -> MessagesRequest:

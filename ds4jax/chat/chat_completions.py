@@ -24,9 +24,11 @@ class ChatRequest:
     include_usage: bool = False  # `stream_options.include_usage`: a final usage chunk
 
 
-def parse_chat_request(body: Any, *, max_context: int | None = None) -> ChatRequest:
-    """Validate (`bodies.openai.ChatBody`) and convert a `/v1/chat/completions` body."""
-    return chat_request(validate(ChatBody, body), max_context)
+def parse_chat_request(body: Any, *, max_context: int | None = None,
+                       checked: bool = False) -> ChatRequest:  # fmt: skip
+    """Validate (`bodies.openai.ChatBody`) and convert a `/v1/chat/completions` body;
+    `checked`: `validate`'s."""
+    return chat_request(validate(ChatBody, body, checked=checked), max_context)
 
 
 def chat_request(c: ChatBody, max_context: int | None = None) -> ChatRequest:

@@ -91,10 +91,11 @@ def parse_responses_request(
     *,
     max_context: int | None = None,
     unseal: Callable[[str], str | None] = lambda _s: None,
+    checked: bool = False,
 ) -> ResponsesRequest:
     """Validate (`bodies.openai.ResponsesBody`) and convert a `/v1/responses` body;
-    `unseal` opens reasoning seals."""
-    return responses_request(validate(ResponsesBody, body), max_context, unseal)
+    `unseal` opens reasoning seals; `checked`: `validate`'s."""
+    return responses_request(validate(ResponsesBody, body, checked=checked), max_context, unseal)
 
 
 def responses_request(

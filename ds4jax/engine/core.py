@@ -116,6 +116,8 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
         #: decode steps a prompt chunk rode in, and the prompt tokens they evaluated
         self.mixed_steps = self.mixed_prompt_tokens = 0
         self.mesh = mesh
+        #: the rows' data axis (1: none), read once: `_rows_follow_steps` runs every step
+        self._data = 1 if mesh is None else int(dict(mesh.shape).get(DATA_AXIS, 1))
         self.spans = spans(cfg, max_len, span_base)
         self._empty = place_state(self.mesh, init_state(cfg, self.spans[0]))
         #: bytes of the smallest state (a conversation shorter than the first span)
@@ -127,8 +129,7 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
         #: prompts kept on another shard than their base's (its pages written again there)
         self.shard_moves = 0
         if paged_pages is not None:
-            if mesh is not None and DATA_AXIS in mesh.shape:
-                self.shards = int(mesh.shape[DATA_AXIS])
+            self.shards = self._data
             held = sessions * (2 if fork_points else 1) + max_batch  # frontiers at most
             self.pages = PageStore(cfg, self.spans, paged_pages, cfg.state_dtype,
                                    place=partial(place_pages, mesh, self.shards),
@@ -265,8 +266,7 @@ class Engine(Sessions, Admission, Stepping, Speculating, Paging):
         on one data shard. Paged rows hold small parts only (nothing big to copy); rows
         split over a data axis keep `max_batch`, a multiple of it (a batch of one row did
         not split: `serve --mesh data=4,expert=2` without `--paged` refused to start)."""
-        data = 1 if self.mesh is None else int(dict(self.mesh.shape).get(DATA_AXIS, 1))
-        return self.pages is None and data == 1
+        return self.pages is None and self._data == 1
 
     def _fit_rows(self, need: int) -> None:
         """The batch at `bucket(need)` rows (every active row below `need`): a step of four
