@@ -111,10 +111,13 @@ def row_attention(cfg: Config, n: jax.Array, valid: jax.Array, T: int) -> Any:
     def emits(ratio: int) -> jax.Array:  # some row completes a window: pool (else skip)
         return jnp.any((n + valid) // ratio > n // ratio)
 
+    def seen(ratio: int) -> jax.Array:  # the most compressed rows a query of any row sees
+        return jnp.max((n + valid) // ratio)
+
     def attend_rows(i: int, p: Params, ls, y: jax.Array):
         def one(ls_r, y_r, n_r, v_r):
             positions = n_r + jnp.arange(T, dtype=jnp.int32)
-            return attention(cfg, i, p, ls_r, y_r, positions, n_r, v_r, emits)
+            return attention(cfg, i, p, ls_r, y_r, positions, n_r, v_r, emits, seen)
 
         out, ls = jax.vmap(one)(ls, y.reshape(n.shape[0], T, y.shape[-1]), n, valid)
         return out.reshape(-1, out.shape[-1]), ls

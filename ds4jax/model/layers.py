@@ -273,6 +273,23 @@ def _indexer_pick(cfg: Config, ip: Params, x, qr, idx, visible, positions, freqs
     return jnp.zeros((T, idx.shape[0]), bool).at[jnp.arange(T)[:, None], top_i].set(chosen)
 
 
+#: the layer kinds whose prefill chunks take the native attention (`attention`'s `chunk`)
+CHUNK_KINDS: tuple[str, ...] = ("csa",)
+
+
+def _every_visible(visible: jax.Array, k: int, gather: bool) -> Any:
+    """`_indexer_pick`'s result while every query sees at most k rows (a context below
+    k·ratio tokens: 8,192 for Flash's 2,048 picks at ratio 4): its top k are then all the
+    rows it sees, a prefix of the rows — the same set without scoring or a top-k (at 2k on
+    bench-192m the indexer ran over a capacity of 522 rows to keep all ≤ 512 visible). The
+    set is the indexer's; only the order the attention sums it in differs (by index here,
+    by score there)."""
+    if not gather:
+        return visible
+    T = visible.shape[0]
+    return jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (T, k)), visible[:, :k]
+
+
 def attention(
     cfg: Config,
     layer: int,
@@ -283,9 +300,13 @@ def attention(
     n: jax.Array,
     n_valid: jax.Array,
     emits: Any = None,
+    seen: Any = None,
 ) -> tuple[jax.Array, LayerState]:
     """`emits(ratio)`: whether a compressor of that ratio may complete a window in this
-    step, a scalar not batched over rows (`compress`'s `emit`; None: pool every step)."""
+    step, a scalar not batched over rows (`compress`'s `emit`; None: pool every step).
+    `seen(ratio)`: the most compressed rows of that ratio any query of the step sees, a
+    scalar not batched over rows (None: this chunk's own, `(n + n_valid) // ratio`) — under
+    `vmap` a condition batched over rows would run both ways and batch every weight."""
     T = x.shape[0]
     H, hd, W, R = cfg.num_heads, cfg.head_dim, cfg.sliding_window, ls.raw.shape[0]
     kind = cfg.layer_kind(layer)
@@ -331,7 +352,7 @@ def attention(
     # only, where the twin attends over every compressed row, masked (at 8k, 2,703 keys a
     # query for 640 used; 8k prefill 1.13x on bench-192m; a wash at 2k; HCA and sliding
     # layers, whose queries use most of their keys, no gain)
-    chunk = (not direct and kind == "csa" and native.active()
+    chunk = (not direct and kind in CHUNK_KINDS and native.active()
              and native.attend_supported(q, ls.raw, kv, ls.comp, chunk=True))  # fmt: skip
 
     # the direct kernel also writes the step's keys into the ring, in place
@@ -380,13 +401,20 @@ def attention(
                                     lambda v: _stored(cfg, v, index=True)),
             )  # fmt: skip
             new.idx, new.idx_kv, new.idx_score = idx, ist_kv, ist_sc
-            if idx.shape[0] <= cfg.index_topk:
+            k = min(cfg.index_topk, idx.shape[0])
+            if idx.shape[0] == k:
                 # the indexer would pick every visible row (its scores are finite exactly
                 # there): the same set without scoring or a top-k
                 picked = visible
             else:
-                picked = _indexer_pick(cfg, ip, x, qr, idx, visible, positions, freqs,
-                                       gather=direct or chunk)  # fmt: skip
+                gather = direct or chunk or _gather_selected(cfg, idx.shape[0], k)
+                most = (n + n_valid) // r if seen is None else seen(r)
+                picked = jax.lax.cond(
+                    most <= k,  # no query of the step sees more than k rows
+                    lambda: _every_visible(visible, k, gather),
+                    lambda: _indexer_pick(cfg, ip, x, qr, idx, visible, positions, freqs,
+                                          gather=gather),
+                )  # fmt: skip
             if direct or chunk:
                 pick, ok = picked if isinstance(picked, tuple) else (every_row, picked)
                 o = attend_direct(comp=comp, pick=pick, pick_ok=ok)

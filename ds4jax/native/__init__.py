@@ -307,10 +307,10 @@ def attend(q: jax.Array, raw: jax.Array, raw_ok: jax.Array, own: jax.Array, own_
 
 
 def index_top_supported(q: jax.Array, rows: jax.Array) -> bool:
-    """Whether `index_top` takes these operands: f32 queries [T, IH, d] of at most
-    `GEMV_ROWS` tokens and f32 rows, no mesh set."""
-    return (unpartitioned() and q.ndim == 3 and q.shape[0] <= GEMV_ROWS
-            and q.dtype == jnp.float32 and rows.dtype == jnp.float32)  # fmt: skip
+    """Whether `index_top` takes these operands: f32 queries [T, IH, d] (any number: a
+    decode step's or a prefill chunk's) and f32 rows, no mesh set."""
+    return (unpartitioned() and q.ndim == 3 and q.dtype == jnp.float32
+            and rows.dtype == jnp.float32)  # fmt: skip
 
 
 def index_top(q: jax.Array, w: jax.Array, rows: jax.Array, visible: jax.Array,

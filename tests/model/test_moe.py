@@ -7,8 +7,10 @@ pick every visible row) leaves a layer's output as it was."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -56,10 +58,16 @@ def test_grouped_experts_read_resident_fp4_experts(tmp_path: Path, monkeypatch) 
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
-def test_indexer_shortcut_picks_what_the_top_k_picks(monkeypatch) -> None:
+@pytest.mark.parametrize("native_kernels", [True, False])
+def test_indexer_shortcut_picks_what_the_top_k_picks(native_kernels, monkeypatch) -> None:
     """A CSA layer over 48 positions (at most 12 visible compressed rows) with topk 16: in a
-    state of 48 positions (12 rows ≤ 16) the shortcut runs; in a state of 96 (24 rows > 16)
-    the indexer scores and takes its top 16, which are every visible row — same output."""
+    state of 48 positions (12 rows ≤ 16) the static shortcut runs; in a state of 96 (24
+    rows > 16) the step's own check (no query sees more than 16 rows) takes every visible
+    row without scoring; with that check forced off the indexer scores and takes its top
+    16, which are every visible row — the same output each way. With the native kernels the
+    rows are gathered by index; without, masked."""
+    from ds4jax import native
+
     cfg = small_config(num_layers=1, compress_ratios=(4,), hash_layers=(True,), index_topk=16,
                        quant_sim=False)  # fmt: skip
     p = init_params(cfg, 0)["layers"][0]["attn"]
@@ -72,10 +80,17 @@ def test_indexer_shortcut_picks_what_the_top_k_picks(monkeypatch) -> None:
 
     def run(max_len: int) -> np.ndarray:
         st = init_state(cfg, max_len).layers[0]
-        return np.asarray(layers.attention(cfg, 0, p, st, x, pos, jnp.int32(0), jnp.int32(48))[0])
+        with contextlib.nullcontext() if native_kernels else native.disabled():
+            out = layers.attention(cfg, 0, p, st, x, pos, jnp.int32(0), jnp.int32(48))[0]
+        return np.asarray(out)
 
     shortcut = run(48)
     assert not calls
-    scored = run(96)
-    assert calls
+    skipped = run(96)
+    real_cond = jax.lax.cond
+    with monkeypatch.context() as m:
+        m.setattr(jax.lax, "cond", lambda pred, yes, no: no())  # the indexer, always
+        scored = run(96)
+    assert jax.lax.cond is real_cond and calls
     np.testing.assert_allclose(shortcut, scored, rtol=0, atol=1e-5 * np.abs(scored).max())
+    np.testing.assert_allclose(skipped, scored, rtol=0, atol=1e-5 * np.abs(scored).max())
