@@ -273,8 +273,13 @@ def _indexer_pick(cfg: Config, ip: Params, x, qr, idx, visible, positions, freqs
     return jnp.zeros((T, idx.shape[0]), bool).at[jnp.arange(T)[:, None], top_i].set(chosen)
 
 
-#: the layer kinds whose prefill chunks take the native attention (`attention`'s `chunk`)
-CHUNK_KINDS: tuple[str, ...] = ("csa",)
+#: the layer kinds whose prefill chunks take the native attention (`attention`'s `chunk`):
+#: CSA (each query's picks, not every row masked) and HCA (its window and visible rows, not
+#: all 644 keys of a 512-token chunk): prefill 2,048 tokens 560 → 601 tok/s on bench-192m
+#: (medians of 6, one process, runs alternated; 2-core AVX2 EPYC). Sliding layers stay on
+#: the twin: with them too (619 tok/s) the 8k logits moved 1.0e-3 from the twins' where
+#: CSA and HCA alone stay within 1.2e-5, not explained yet
+CHUNK_KINDS: tuple[str, ...] = ("csa", "hca")
 
 
 def _every_visible(visible: jax.Array, k: int, gather: bool) -> Any:
@@ -350,10 +355,11 @@ def attention(
 
     # a prefill chunk's CSA layer on CPU: the native kernel reads each query's picked rows
     # only, where the twin attends over every compressed row, masked (at 8k, 2,703 keys a
-    # query for 640 used; 8k prefill 1.13x on bench-192m; a wash at 2k; HCA and sliding
-    # layers, whose queries use most of their keys, no gain)
+    # query for 640 used; 8k prefill 1.13x on bench-192m); an HCA layer's its window's
+    # keys and visible rows (`CHUNK_KINDS`)
     chunk = (not direct and kind in CHUNK_KINDS and native.active()
-             and native.attend_supported(q, ls.raw, kv, ls.comp, chunk=True))  # fmt: skip
+             and native.attend_supported(q, ls.raw, kv, *([] if ls.comp is None else [ls.comp]),
+                                       chunk=True))  # fmt: skip
 
     # the direct kernel also writes the step's keys into the ring, in place
     new = LayerState(ls.raw if direct else ring_write(ls.raw, kv, n, n_valid))
@@ -366,7 +372,7 @@ def attention(
         return o
 
     if kind == "sliding":
-        o = attend_direct() if direct else attend(q, keys, raw_mask, sink)
+        o = attend_direct() if direct or chunk else attend(q, keys, raw_mask, sink)
     else:
         r, c = cfg.compress_ratios[layer], (2 if kind == "csa" else 1)
         cp = p["compressor"]
@@ -382,7 +388,7 @@ def attention(
         new.comp, new.comp_kv, new.comp_score = comp, st_kv, st_sc
         visible = jnp.arange(comp.shape[0])[None, :] < (qp + 1) // r  # [T, cap]
         every_row = jnp.broadcast_to(jnp.arange(comp.shape[0]), visible.shape)
-        if kind == "hca" and direct:
+        if kind == "hca" and (direct or chunk):
             o = attend_direct(comp=comp, pick=every_row, pick_ok=visible)
         elif kind == "hca":
             o = attend(
