@@ -284,11 +284,11 @@ CHUNK_KINDS: tuple[str, ...] = ("csa", "hca")
 
 def _every_visible(visible: jax.Array, k: int, gather: bool) -> Any:
     """`_indexer_pick`'s result while every query sees at most k rows (a context below
-    k·ratio tokens: 8,192 for Flash's 2,048 picks at ratio 4): its top k are then all the
-    rows it sees, a prefix of the rows — the same set without scoring or a top-k (at 2k on
-    bench-192m the indexer ran over a capacity of 522 rows to keep all ≤ 512 visible). The
-    set is the indexer's; only the order the attention sums it in differs (by index here,
-    by score there)."""
+    k·ratio tokens: 2,048 for Flash's and bench-192m's 512 picks at ratio 4): its top k are
+    then all the rows it sees, a prefix of the rows — the same set without scoring or a
+    top-k (at 2k on bench-192m the indexer ran over a capacity of 522 rows to keep all
+    ≤ 512 visible). The set is the indexer's; only the order the attention sums it in
+    differs (by index here, by score there)."""
     if not gather:
         return visible
     T = visible.shape[0]
