@@ -19,6 +19,10 @@ from ds4jax.sampling import (
     sample_rows,
 )
 
+#: its programs are small and run over many rows (40,000-row draws, vocabulary-sized rows):
+#: compiled as served they repay their compile (this file 104 → 75 s alone, 2-core AVX2 EPYC)
+pytestmark = pytest.mark.optimized
+
 V = 129280
 
 
@@ -182,7 +186,8 @@ def test_sampled_rows_follow_the_softmax(min_p: float) -> None:
 
 def test_a_vocabulary_row_draws_across_its_blocks() -> None:
     """A V4-sized row (129,280 tokens: `draw_rows`' blocks, the last one padded): likely
-    tokens in different blocks and the long tail together come out in their proportions."""
+    tokens in different blocks and the long tail together come out in their proportions
+    (3,200 draws: σ ≤ 0.009 a share; the largest error of these keys 0.005)."""
     z = np.zeros(V, np.float32)
     hot = [0, 1023, 1024, 64_000, V - 1]
     z[hot] = [10.0, 10.5, 9.0, 11.0, 10.2]
@@ -190,7 +195,7 @@ def test_a_vocabulary_row_draws_across_its_blocks() -> None:
     B, draws = 400, []
     rows = jnp.broadcast_to(jnp.asarray(z), (B, V))
     args = (jnp.ones(B), jnp.zeros(B, jnp.int32), jnp.ones(B), jnp.zeros(B))
-    for i in range(25):
+    for i in range(8):
         draws.append(np.asarray(_sample_rows(rows, jax.random.split(jax.random.key(i), B),
                                              *args)))  # fmt: skip
     out = np.concatenate(draws)
