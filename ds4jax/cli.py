@@ -17,7 +17,7 @@ from ds4jax.chat.anthropic import RequestError, parse_messages_request
 from ds4jax.chat.render import render
 from ds4jax.chat.segments import join
 from ds4jax.chat.tokenizer import load_tokenizer
-from ds4jax.weights.options import add_attention_impl, add_hub_options, add_weights
+from ds4jax.weights.options import add_attention_impl, add_hub_options, add_mesh, add_weights
 
 
 def _read_body(path: str) -> Any:
@@ -144,6 +144,9 @@ def cmd_dump_logits(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.n < 1 or not args.temperature >= 0:  # NaN too: it sampled token 0 every step
+        raise ValueError(f"-n {args.n} / --temperature {args.temperature}: at least 1 token, "
+                         "a temperature ≥ 0")  # fmt: skip
     import time
 
     import jax
@@ -153,9 +156,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ds4jax.model.state import init_state
     from ds4jax.sampling import sample
 
-    if args.n < 1 or not args.temperature >= 0:  # NaN too: it sampled token 0 every step
-        raise ValueError(f"-n {args.n} / --temperature {args.temperature}: at least 1 token, "
-                         "a temperature ≥ 0")  # fmt: skip
     cfg, params, tokenizer, place = _load_model(args)
     ids = _prompt_ids(args, cfg, tokenizer)
     need = len(ids) + args.n + 1
@@ -231,10 +231,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
-#: the commands whose flags need JAX or the server to spell (a mesh's help, the server's
-#: defaults): every other command — and `ds4jax --help` — parses without importing either,
-#: so `tokenize`, `render` and `count-tokens` answer in well under a second, not after the
-#: ~6 s import of JAX (11.6 s → see `test_cli.test_commands_that_load_no_model_import_no_jax`)
+#: the commands that run a model: the process re-executes itself with its malloc settings
+#: (`allocator`), and only the command run has its flags built (the server's spell its
+#: defaults from the engine's modules). Every other command — and `ds4jax --help` — parses
+#: and runs without importing JAX or the server: `ds4jax tokenize` 11.6 → 3.2 s on a 2-core
+#: AVX2 EPYC (`tests/test_cli.py` checks what it imports)
 MODEL_COMMANDS = ("dump-logits", "generate", "serve")
 
 
@@ -243,9 +244,9 @@ def _command(argv: Sequence[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
-def build_parser(full: bool = True) -> argparse.ArgumentParser:
-    """Every command's parser; with `full` False, the `MODEL_COMMANDS` only by name and help
-    (enough to list them and to parse any other command)."""
+def build_parser(full: Sequence[str] = MODEL_COMMANDS) -> argparse.ArgumentParser:
+    """Every command's parser; of the `MODEL_COMMANDS` not in `full`, only the name and
+    help (enough to list them and to parse any other command)."""
     p = argparse.ArgumentParser(prog="ds4jax", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -289,8 +290,6 @@ def build_parser(full: bool = True) -> argparse.ArgumentParser:
     tp.set_defaults(func=cmd_tokenizer_train)
 
     def with_model(sp: argparse.ArgumentParser) -> None:
-        from ds4jax.model.sharding import MESH_HELP
-
         src = sp.add_mutually_exclusive_group(required=True)
         src.add_argument(
             "--model", help="checkpoint directory (Orbax, transformers or official), a "
@@ -300,7 +299,7 @@ def build_parser(full: bool = True) -> argparse.ArgumentParser:
         sp.add_argument("--seed", type=int, default=0, help="weights seed with --config")
         add_attention_impl(sp)
         add_weights(sp)
-        sp.add_argument("--mesh", default=None, help=MESH_HELP)
+        add_mesh(sp)
         add_hub_options(sp)
 
     helps = {
@@ -312,7 +311,7 @@ def build_parser(full: bool = True) -> argparse.ArgumentParser:
     def model_command(name: str) -> argparse.ArgumentParser | None:
         """The command's parser to fill in; None where only its name is wanted."""
         sp = sub.add_parser(name, help=helps[name])
-        return sp if full else None
+        return sp if name in full else None
 
     if sp := model_command("dump-logits"):
         with_model(sp)
@@ -396,14 +395,15 @@ def enable_compile_cache() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    model = _command(sys.argv[1:] if argv is None else argv) in MODEL_COMMANDS
+    command = _command(sys.argv[1:] if argv is None else argv)
+    model = command in MODEL_COMMANDS
     if argv is None and model:  # the program itself (`ds4jax`, `python -m ds4jax`) running
         # a model: another command would only pay a second start-up for it
         from ds4jax import allocator
 
         allocator.reexec()
     enable_compile_cache()
-    args = build_parser(full=model).parse_args(argv)
+    args = build_parser(full=(command,) if model else ()).parse_args(argv)
     try:
         return int(args.func(args))
     except RequestError as err:

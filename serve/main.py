@@ -20,8 +20,7 @@ from ds4jax.continuation.reasoning_seal import ReasoningSeal
 from ds4jax.engine import Engine
 from ds4jax.interleave import DEFAULT_STALL_BOUND
 from ds4jax.model.batch import BATCH_SIZES, BURST_STEPS
-from ds4jax.model.sharding import MESH_HELP
-from ds4jax.weights.options import add_attention_impl, add_hub_options, add_weights
+from ds4jax.weights.options import add_attention_impl, add_hub_options, add_mesh, add_weights
 from serve import logs
 from serve.app import ServerConfig, create_app
 from serve.metrics import SOURCE_LABELS
@@ -98,7 +97,7 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--speculative-max-batch", type=int, default=None, metavar="B",
                     help="speculate only in steps of at most B rows (default: where it "
                     "was measured to pay on this platform; 0 on CPU)")  # fmt: skip
-    sp.add_argument("--mesh", default=None, help=MESH_HELP)
+    add_mesh(sp)
     sp.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                     help="several processes (hosts): process 0's address for "
                     "jax.distributed; process 0 serves HTTP, the others follow")  # fmt: skip

@@ -242,14 +242,6 @@ def default_mesh(cfg: Config, devices: list[Any] | None = None) -> Mesh | None:
     return make_mesh(1, n, devices)
 
 
-MESH_HELP = (
-    "[data=D,]expert=E,tensor=T: shard the params over a device mesh (data: split the decode "
-    "batch's rows, the routed experts over data × expert, the other params replicated along "
-    "data); 'none': one device (default: every device on the tensor axis where the shapes "
-    "divide)"
-)
-
-
 def mesh_for(spec: str | None, cfg: Config) -> Mesh | None:
     """What a `--mesh` flag asks for: None (the flag left out) → `default_mesh`; "none" →
     one device, no mesh; else `parse_mesh`."""

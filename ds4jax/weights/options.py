@@ -31,6 +31,17 @@ def add_attention_impl(sp: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def add_mesh(sp: argparse.ArgumentParser) -> None:
+    # what `model.sharding.mesh_for` reads from it
+    sp.add_argument(
+        "--mesh", default=None,
+        help="[data=D,]expert=E,tensor=T: shard the params over a device mesh (data: split "
+        "the decode batch's rows, the routed experts over data × expert, the other params "
+        "replicated along data); 'none': one device (default: every device on the tensor "
+        "axis where the shapes divide)",
+    )  # fmt: skip
+
+
 def add_hub_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument(
         "--revision", default=None,
