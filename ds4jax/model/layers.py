@@ -274,12 +274,15 @@ def _indexer_pick(cfg: Config, ip: Params, x, qr, idx, visible, positions, freqs
 
 
 #: the layer kinds whose prefill chunks take the native attention (`attention`'s `chunk`):
-#: CSA (each query's picks, not every row masked) and HCA (its window and visible rows, not
-#: all 644 keys of a 512-token chunk): prefill 2,048 tokens 560 → 601 tok/s on bench-192m
-#: (medians of 6, one process, runs alternated; 2-core AVX2 EPYC). Sliding layers stay on
-#: the twin: with them too (619 tok/s) the 8k logits moved 1.0e-3 from the twins' where
-#: CSA and HCA alone stay within 1.2e-5, not explained yet
-CHUNK_KINDS: tuple[str, ...] = ("csa", "hca")
+#: CSA (each query's picks, not every row masked), HCA and sliding (a query's window keys
+#: and visible rows, not all 644 keys of a 512-token chunk): prefill 2,048 tokens 560 → 601
+#: tok/s with CSA and HCA (medians of 6, one process, runs alternated; 2-core AVX2 EPYC).
+#: With the sliding layers as well the logits after 8,192 tokens on bench-192m moved 1.0e-3
+#: from the twins' (CSA and HCA alone: 1.2e-5); the same run with `index_topk` above the
+#: CSA rows held (every row picked, no top-k) moved them 8.1e-6: the 1e-3 is the indexer's
+#: top-k trading a pick on a near-tie when the first layers' sums round otherwise, not the
+#: attention drifting
+CHUNK_KINDS: tuple[str, ...] = ("csa", "hca", "sliding")
 
 
 def _every_visible(visible: jax.Array, k: int, gather: bool) -> Any:
@@ -355,8 +358,8 @@ def attention(
 
     # a prefill chunk's CSA layer on CPU: the native kernel reads each query's picked rows
     # only, where the twin attends over every compressed row, masked (at 8k, 2,703 keys a
-    # query for 640 used; 8k prefill 1.13x on bench-192m); an HCA layer's its window's
-    # keys and visible rows (`CHUNK_KINDS`)
+    # query for 640 used; 8k prefill 1.13x on bench-192m); an HCA or sliding layer's its
+    # window's keys and visible rows (`CHUNK_KINDS`)
     chunk = (not direct and kind in CHUNK_KINDS and native.active()
              and native.attend_supported(q, ls.raw, kv, *([] if ls.comp is None else [ls.comp]),
                                        chunk=True))  # fmt: skip
@@ -486,12 +489,15 @@ GROUPED_MIN_TOKENS = 256
 def _moe_grouped(cfg: Config, p: Params, x: jax.Array, sel: jax.Array, w: jax.Array):
     """The routed experts of a long chunk, on the routed pairs only: the T·k (token,
     expert) pairs sorted by expert, each expert's run padded to whole blocks of `Bk` rows,
-    and one block at a time (a `fori_loop`: the block's expert is read in place) three
-    GEMMs with that expert. Computing every expert over every token instead costs E/k
-    times the FLOPs (4x at top-4 of 16, 43x for Flash's top-6 of 256); with the padding,
-    bench-192m's 512-token chunk does 0.375 of the dense FLOPs (issue 17, bench notes).
-    Pairs add into their token in expert order, so the sum differs from the dense form's
-    by float rounding only."""
+    and one expert at a time (a `fori_loop`) its weights taken once and three GEMMs a block
+    over its own blocks (an inner loop of as many as it has). Computing every expert over
+    every token instead costs E/k times the FLOPs (4x at top-4 of 16, 43x for Flash's
+    top-6 of 256). A loop over the blocks with each block taking its expert's weights
+    copied every block's weights out of the stacked array (XLA:CPU copies a dynamic slice
+    before a dot) and ran the blocks left over past the last expert's: one expert at a time
+    took bench-192m's 512-token MoE layer 39.5 → 31.5 ms (medians of 40, alternated; 2-core
+    AVX2 EPYC). Pairs add into their token in expert order, so the sum differs from the
+    dense form's by float rounding only."""
     T, k = sel.shape
     E, D = cfg.num_experts, x.shape[-1]
     P = T * k
@@ -502,24 +508,26 @@ def _moe_grouped(cfg: Config, p: Params, x: jax.Array, sel: jax.Array, w: jax.Ar
     order = jnp.argsort(e, stable=True)
     e_sorted = e[order]
     count = jnp.bincount(e, length=E)
-    padded = -(-count // Bk) * Bk
+    blocks = -(-count // Bk)  # each expert's
     run_start = jnp.cumsum(count) - count  # of each expert's run among the sorted pairs
-    padded_start = jnp.cumsum(padded) - padded  # … and among the padded rows
-    dest = padded_start[e_sorted] + jnp.arange(P) - run_start[e_sorted]
+    first = jnp.cumsum(blocks) - blocks  # … and its first block
+    dest = first[e_sorted] * Bk + jnp.arange(P) - run_start[e_sorted]
     token = jnp.full(NB * Bk, T, jnp.int32).at[dest].set((order // k).astype(jnp.int32))
     weight = jnp.zeros(NB * Bk, x.dtype).at[dest].set(w.reshape(-1)[order])
-    block_expert = jnp.minimum(
-        jnp.searchsorted(jnp.cumsum(padded), jnp.arange(NB) * Bk, side="right"), E - 1
-    )
     xs = jnp.concatenate([x, jnp.zeros((1, D), x.dtype)])[token].reshape(NB, Bk, D)
     weight = weight.reshape(NB, Bk, 1)
 
-    def block(b: jax.Array, out: jax.Array) -> jax.Array:
-        w1, w3, w2 = (expert(p[n], block_expert[b]) for n in ("w1", "w3", "w2"))
-        h = _swiglu(cfg, linear(xs[b], w1), linear(xs[b], w3)) * weight[b]
-        return out.at[b].set(linear(h, w2))
+    def one_expert(i: jax.Array, out: jax.Array) -> jax.Array:
+        w1, w3, w2 = (expert(p[n], i) for n in ("w1", "w3", "w2"))
 
-    out = jax.lax.fori_loop(0, NB, block, jnp.zeros((NB, Bk, D), x.dtype))
+        def block(j: jax.Array, out: jax.Array) -> jax.Array:
+            b = first[i] + j
+            h = _swiglu(cfg, linear(xs[b], w1), linear(xs[b], w3)) * weight[b]
+            return out.at[b].set(linear(h, w2))
+
+        return jax.lax.fori_loop(0, blocks[i], block, out)
+
+    out = jax.lax.fori_loop(0, E, one_expert, jnp.zeros((NB, Bk, D), x.dtype))
     return jnp.zeros((T + 1, D), x.dtype).at[token].add(out.reshape(-1, D))[:T]
 
 

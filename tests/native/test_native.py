@@ -510,8 +510,9 @@ def test_top_k_is_lax_top_k(C, k):
 def test_prefill_chunks_attend_natively_as_the_twins_do():
     """A prefill chunk past the CSA indexer's top-k: its CSA layers take the native
     indexer (scores and top-k, the kernel a decode step takes) and the native attention
-    over each query's picks (the twin attends over every compressed row, masked) — the
-    twins' logits at every position."""
+    over each query's picks (the twin attends over every compressed row, masked), its HCA
+    and sliding layers the native attention over each query's window and visible rows —
+    one call a layer — and the logits at every position are the twins'."""
     from ds4jax.model.forward import forward_chunk, prefill
     from ds4jax.model.params import init_params
     from ds4jax.model.state import init_state
@@ -523,7 +524,8 @@ def test_prefill_chunks_attend_natively_as_the_twins_do():
     chunk = jnp.asarray((np.arange(64) * 11 % 997).astype(np.int32))
     text = forward_chunk.lower(params, state, chunk, 64, cfg=cfg, all_logits=True,
                                streams=False).as_text()  # fmt: skip
-    assert "ds4jax_index_top_f32" in text and "ds4jax_attend_f32" in text
+    assert "ds4jax_index_top_f32" in text
+    assert text.count("@ds4jax_attend_f32(") == cfg.num_layers
     ours = forward_chunk(params, state, chunk, 64, cfg=cfg, all_logits=True, streams=False)
     with native.disabled():
         theirs = jax.jit(
