@@ -46,8 +46,12 @@ def apply_rope(
     cos, sin = jnp.cos(theta), jnp.sin(theta)
     if inverse:
         sin = -sin
+    # (a, b) → (a·cos − b·sin, a·sin + b·cos) as whole-width products with the pairs swapped,
+    # the same values bit for bit: the pairs taken apart and stacked back made XLA:CPU write
+    # the result element by element (a 512-token chunk's query rotation 5.3 → 3.7 ms,
+    # medians of 200, alternated; 2-core AVX2 EPYC)
     head, tail = x[..., :-rd], x[..., -rd:]
-    pairs = tail.reshape(*tail.shape[:-1], rd // 2, 2)
-    a, b = pairs[..., 0], pairs[..., 1]
-    rotated = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(tail.shape)
-    return jnp.concatenate([head, rotated], axis=-1)
+    cos2 = jnp.repeat(cos, 2, axis=-1)
+    sin2 = jnp.stack([-sin, sin], axis=-1).reshape(*sin.shape[:-1], rd)
+    swapped = tail.reshape(*tail.shape[:-1], rd // 2, 2)[..., ::-1].reshape(tail.shape)
+    return jnp.concatenate([head, tail * cos2 + swapped * sin2], axis=-1)
