@@ -53,38 +53,11 @@ def rmsw(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 # ---------------------------------------------------------------- hyper-connections §2.4
 
 
-#: from this many tokens the sums over the hc streams are written as adds (`_stream_sum`)
-HC_ADDS_MIN_TOKENS = 64
-
-
-def _stream_sum(W: jax.Array, X: jax.Array, adds: bool) -> jax.Array:
-    """Σ_a W[t, a, …]·X[t, a] for W [T, hc] → [T, D] or W [T, hc, hc] → [T, hc, D]. With
-    `adds`, hc multiply-adds that XLA fuses into one pass over X: as an einsum XLA:CPU ran
-    a 512-token chunk's as a batched dot of T tiny products (with `_hc_total`, a layer's
-    `hc_pre` + `hc_post` at 512 tokens 3.7 → 1.9 ms on bench-192m, medians of 200,
-    alternated; 2-core AVX2 EPYC). A few tokens keep the einsum: there the adds were no
-    faster (a decode step's medians a little slower, noisy)."""
-    if not adds:
-        return jnp.einsum("th,thd->td" if W.ndim == 2 else "tab,tad->tbd", W, X)
-    term = lambda a: W[:, a, ..., None] * X[:, a].reshape(X.shape[0], *(1,) * (W.ndim - 2), -1)  # noqa: E731
-    return sum((term(a) for a in range(1, X.shape[1])), term(0))
-
-
-def _hc_total(c: jax.Array, axis: int, adds: bool) -> jax.Array:
-    """`jnp.sum(c, axis, keepdims=True)` over hc entries (as hc − 1 adds with `adds`: a
-    library reduction over 4 entries per Sinkhorn step took 12–21 µs at 512 tokens)."""
-    if not adds:
-        return jnp.sum(c, axis=axis, keepdims=True)
-    parts = jnp.split(c, c.shape[axis], axis=axis)
-    return sum(parts[1:], parts[0])
-
-
 def hc_pre(
     cfg: Config, X: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """X: [T, hc, D] → (sublayer input y [T, D], post [T, hc], comb C [T, hc, hc])."""
     T, hc, D = X.shape
-    adds = T >= HC_ADDS_MIN_TOKENS
     m = linear(rms(X.reshape(T, hc * D), cfg.rms_eps), fn)
     pre = jax.nn.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + cfg.hc_eps
     post = 2.0 * jax.nn.sigmoid(m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
@@ -93,18 +66,19 @@ def hc_pre(
     comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + cfg.hc_eps)
 
     def sinkhorn_step(_: int, c: jax.Array) -> jax.Array:
-        c = c / (_hc_total(c, -1, adds) + cfg.hc_eps)
-        return c / (_hc_total(c, -2, adds) + cfg.hc_eps)
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + cfg.hc_eps)
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + cfg.hc_eps)
 
     # a loop, not an unrolled Python for: 20 unrolled iterations × 2 sites × layers
     # doubled XLA compile time for identical numerics
     comb = jax.lax.fori_loop(0, cfg.hc_sinkhorn_iters - 1, sinkhorn_step, comb)
-    return _stream_sum(pre, X, adds), post, comb
+    y = jnp.einsum("th,thd->td", pre, X)
+    return y, post, comb
 
 
 def hc_post(f: jax.Array, X: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
     """X'[b] = post_b·f + Σ_a C[a, b]·X[a]."""
-    return post[:, :, None] * f[:, None, :] + _stream_sum(comb, X, X.shape[0] >= HC_ADDS_MIN_TOKENS)
+    return post[:, :, None] * f[:, None, :] + jnp.einsum("tab,tad->tbd", comb, X)
 
 
 def hc_head(cfg: Config, X: jax.Array, p: Params) -> jax.Array:

@@ -131,3 +131,23 @@ def test_fp8_needs_the_official_layout(tmp_path: Path) -> None:
     save_params(init_params(CFG, 0), CFG, tmp_path / "orbax")
     with pytest.raises(CheckpointError, match="official layout, not orbax"):
         load_model(tmp_path / "orbax", weights="fp8", load_tokenizer=load_tokenizer)
+
+
+def test_fp4_experts_hold_in_bf16_what_is_exactly_bf16(release: Path) -> None:
+    """`load_model(weights="fp4-experts")` holds the release's BF16 (and power-of-two-scaled
+    FP8) matrices in bf16: the f32 logits bit for bit on every path, in fewer bytes."""
+    from ds4jax.model.quantized import hold_bf16_where_exact
+    from ds4jax.plan import weight_bytes_per_device
+
+    _, f32 = official.load_official_checkpoint(release, CFG, dtype=jnp.float32,
+                                               resident={"fp4"})  # fmt: skip
+    _, held, _, _ = load_model(release, weights="fp4-experts", load_tokenizer=load_tokenizer)
+    assert held["head"].dtype == jnp.bfloat16 and held["norm"].dtype == jnp.float32
+    nbytes = lambda t: sum(x.nbytes for x in jax.tree.leaves(t))  # noqa: E731
+    assert nbytes(held) < 0.7 * nbytes(f32)
+    assert nbytes(held) == weight_bytes_per_device(CFG, 1, 1, "fp4-experts")  # `ds4jax plan`
+    for a, b in zip(*map(logits_on_every_path, (f32, held)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    exact, inexact = jnp.ones((4, 8)), jnp.full((4, 8), 1 + 2.0**-12)
+    got = hold_bf16_where_exact({"a": exact, "b": inexact, "v": jnp.ones(8)})
+    assert [got[k].dtype for k in "abv"] == [jnp.bfloat16, jnp.float32, jnp.float32]
