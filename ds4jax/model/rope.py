@@ -49,7 +49,7 @@ def apply_rope(
     # (a, b) → (a·cos − b·sin, a·sin + b·cos) as whole-width products with the pairs swapped,
     # the same values bit for bit: the pairs taken apart and stacked back made XLA:CPU write
     # the result element by element (a 512-token chunk's query rotation 5.3 → 3.7 ms,
-    # medians of 200, alternated; 2-core AVX2 EPYC)
+    # medians of 200, alternated, while a test run shared the 2-core AVX2 EPYC)
     head, tail = x[..., :-rd], x[..., -rd:]
     cos2 = jnp.repeat(cos, 2, axis=-1)
     sin2 = jnp.stack([-sin, sin], axis=-1).reshape(*sin.shape[:-1], rd)
