@@ -147,6 +147,11 @@ def _kept(z: jax.Array, greedy: jax.Array, top_k: jax.Array, top_p: jax.Array,
 DRAW_BLOCK = 1024
 
 
+def uniforms(keys: jax.Array) -> jax.Array:
+    """Each row's one uniform draw in [0, 1) [B] (f32), where its token inverts the CDF."""
+    return jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
+
+
 def draw_rows(keys: jax.Array, z: jax.Array, mask: jax.Array) -> jax.Array:
     """One token per row [B] (int32) from softmax(z) over the `mask`ed tokens, by inverting
     its cumulative distribution at one uniform draw per row: the kept tokens' weights
@@ -163,8 +168,7 @@ def draw_rows(keys: jax.Array, z: jax.Array, mask: jax.Array) -> jax.Array:
     w = jnp.pad(w, ((0, 0), (0, nb * DRAW_BLOCK - V))).reshape(B, nb, DRAW_BLOCK)
     sums = jnp.sum(w, axis=-1)  # [B, nb]
     ends = jnp.cumsum(sums, axis=-1)  # each block's running end
-    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
-    target = u * ends[:, -1]
+    target = uniforms(keys) * ends[:, -1]
     # a target rounded up to a sum's end takes the last block / token with weight
     last_block = jnp.max(jnp.where(sums > 0, jnp.arange(nb), 0), axis=-1)
     b = jnp.minimum(jnp.sum(ends <= target[:, None], axis=-1), last_block)
@@ -198,18 +202,31 @@ def sample_rows(
     rejected draft is never its argmax)."""
     logits = logits.astype(jnp.float32)
     greedy = temperature <= 0
-    best = argmax(logits)
 
-    def drawn() -> jax.Array:
-        z = _scaled(logits, temperature)
-        mask = _kept(z, greedy, top_k, top_p, min_p)
-        if ban is not None:
-            ids = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
-            mask &= ids != ban[:, None]
-        tokens = draw_rows(keys, z, mask)
-        return jnp.where(greedy, best, tokens).astype(jnp.int32)
+    def twin() -> jax.Array:
+        best = argmax(logits)
 
-    return jax.lax.cond(jnp.all(greedy), lambda: best, drawn)
+        def drawn() -> jax.Array:
+            z = _scaled(logits, temperature)
+            mask = _kept(z, greedy, top_k, top_p, min_p)
+            if ban is not None:
+                ids = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
+                mask &= ids != ban[:, None]
+            tokens = draw_rows(keys, z, mask)
+            return jnp.where(greedy, best, tokens).astype(jnp.int32)
+
+        return jax.lax.cond(jnp.all(greedy), lambda: best, drawn)
+
+    if ban is None and native.active() and native.unpartitioned():
+        # min-p without ranking (the server's default) in the native kernel: exp only for
+        # the tokens min-p keeps (the twin: 5 ms a step for 8 rows on a 2-core AVX2 EPYC)
+        unranked = greedy | ((top_k <= 0) & (top_p >= 1.0) & (min_p > 0.0))
+        return jax.lax.cond(
+            jnp.all(unranked),
+            lambda: native.draw(logits, uniforms(keys), temperature, min_p),
+            twin,
+        )
+    return twin()
 
 
 def prob_rows(

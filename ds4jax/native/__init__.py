@@ -9,7 +9,9 @@ them): `routed` (the routed experts, f32 or FP4; twin: `model.layers._routed`), 
 (every f32 or bf16 linear of up to `GEMV_ROWS` tokens, the head included; twin: XLA's dot
 in `model.quantized.matmul`; `gemv_grouped`, the grouped output projection's, twin: its
 einsum; `gemv_many`, a layer's projections of one input in one call, twin: each
-`linear`), `argmax` (greedy selection; twin: `sampling.argmax`'s reductions), `attend` (a
+`linear`), `argmax` (greedy selection; twin: `sampling.argmax`'s reductions), `draw` (a sampled
+row's token under temperature and min-p; twin: `sampling`'s unranked mask and
+`draw_rows`), `attend` (a
 decode step's attention over a layer's key sources in place; twins:
 `pallas_kernels.sink_attention_reference` and `sparse_attention_reference`) and
 `index_top` (the CSA indexer's scores and top-k picks; twins:
@@ -62,6 +64,7 @@ TARGETS = (
     "ds4jax_gemv_grouped_f32",
     "ds4jax_gemv_many_f32",
     "ds4jax_argmax_f32",
+    "ds4jax_draw_f32",
     "ds4jax_attend_f32",
     "ds4jax_attend_write_f32",
     "ds4jax_index_top_f32",
@@ -267,6 +270,18 @@ def argmax(x: jax.Array) -> jax.Array:
     """`jnp.argmax(x, axis=-1)` of f32 rows as int32 (the first maximum, the first NaN if any)."""
     out = jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32)
     return _ffi("ds4jax_argmax_f32", out, vmap_method="expand_dims")(x)
+
+
+def draw(logits: jax.Array, u: jax.Array, temperature: jax.Array,
+         min_p: jax.Array) -> jax.Array:  # fmt: skip
+    """Each f32 row's token [...] (int32) drawn at its uniform `u` as `sampling.sample_rows`
+    draws without ranking (temperature and min-p only; no top-k or top-p): a row with
+    temperature ≤ 0 (or holding a NaN) takes its argmax. exp is taken only for the tokens
+    min-p keeps. The twin: `sampling`'s unranked mask and `draw_rows`, whose f32 block sums
+    can round a target at a boundary to the next token where this kernel's f64 sums do not."""
+    out = jax.ShapeDtypeStruct(logits.shape[:-1], jnp.int32)
+    f32 = [a.astype(jnp.float32) for a in (u, temperature, min_p)]
+    return _ffi("ds4jax_draw_f32", out, vmap_method="expand_dims")(logits, *f32)
 
 
 def attend_supported(q: jax.Array, *keys: jax.Array, chunk: bool = False) -> bool:

@@ -11,7 +11,7 @@
 //   two per byte (low nibble: the even input) with one E8M0 exponent per 32 inputs;
 // * a GEMV for a few tokens (every linear of a decode step, the head included; weights
 //   f32 or bf16, products in f32);
-// * argmax (greedy selection);
+// * argmax (greedy selection) and a draw without ranking (temperature, min-p);
 // * decode attention with an attention sink over a layer's key sources in place (the raw
 //   window's ring, the step's own keys, the compressed rows a query picked), where XLA
 //   concatenated them — twice, once transposed — before its products.
@@ -638,9 +638,10 @@ ffi::Error GemvManyF32(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArg
 // The index of each row's largest value, as jnp.argmax picks it: the first maximum, or the
 // first NaN if the row has one. XLA:CPU's reduction over a 129,280-token vocabulary took
 // 2.5 ms for 8 rows on every decode step (issue 27).
-int32_t argmax_row(const float* x, int64_t n) {
+// A row's largest value other than NaN (−inf for none); `nan` set when it holds one.
+float row_max(const float* x, int64_t n, bool& nan) {
   float best = -INFINITY;
-  bool nan = false;
+  nan = false;
   int64_t i = 0;
 #if defined(__AVX2__)
   __m256 m = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps();
@@ -658,6 +659,12 @@ int32_t argmax_row(const float* x, int64_t n) {
     if (std::isnan(x[i])) nan = true;
     else best = std::max(best, x[i]);
   }
+  return best;
+}
+
+int32_t argmax_row(const float* x, int64_t n) {
+  bool nan;
+  const float best = row_max(x, n, nan);
   for (int64_t j = 0; j < n; ++j)
     if (nan ? std::isnan(x[j]) : x[j] == best) return static_cast<int32_t>(j);
   return 0;
@@ -674,6 +681,87 @@ ffi::Error ArgmaxF32(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::An
   return ffi::Error::Success();
 }
 
+
+// One sampled row's token, as `ds4jax.sampling` draws it without ranking (temperature and
+// min-p, the server's default): z = x / t; kept: z ≥ max(z) + log(min_p) (every token when
+// min_p ≤ 0); token i drawn when u · Σ kept exp(z − max) falls in [C(i−1), C(i)) of the
+// running sums, a target rounded up to the end taking the last token of nonzero weight; a
+// row with t ≤ 0 takes its argmax, and so does a row holding a NaN. The twin (`_kept`'s
+// unranked mask, then `draw_rows`) sums in f32 blocks; here the sums are f64 in token order,
+// so the two can differ only where the target lies within rounding of a boundary. exp is
+// taken only for kept tokens (those within log(1/min_p) of the best: a handful) — XLA took
+// it over the whole vocabulary, 5 ms for 8 rows of 129,280 on a decode step (issue 27).
+int32_t draw_row(const float* x, int64_t n, float u, float t, float min_p) {
+  if (!(t > 0.0f) || n == 0) return argmax_row(x, n);
+  bool nan;
+  const float mx = row_max(x, n, nan);
+  // division by t > 0 keeps the order, so max(x / t) is max(x) / t, rounded the same way
+  const float top = mx / t;
+  if (nan || !std::isfinite(top)) return argmax_row(x, n);
+  const float floor = min_p > 0.0f ? top + std::log(min_p) : -INFINITY;
+  // the kept tokens and their weights; past `CAP` of them, a second pass recomputes them
+  constexpr int64_t CAP = 512;
+  int32_t ids[CAP];
+  float ws[CAP];
+  int64_t kept = 0, i = 0;
+  double total = 0.0;
+  auto weigh = [&](int64_t j) {
+    const float z = x[j] / t;
+    if (!(z >= floor)) return;
+    const float w = std::exp(z - top);
+    total += w;
+    if (kept < CAP) ids[kept] = static_cast<int32_t>(j), ws[kept] = w;
+    ++kept;
+  };
+#if defined(__AVX2__)
+  const __m256 tv = _mm256_set1_ps(t), fv = _mm256_set1_ps(floor);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 z = _mm256_div_ps(_mm256_loadu_ps(x + i), tv);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(z, fv, _CMP_GE_OQ)) == 0) continue;
+    for (int64_t j = i; j < i + 8; ++j) weigh(j);
+  }
+#endif
+  for (; i < n; ++i) weigh(i);
+  const double target = static_cast<double>(u) * total;
+  double c = 0.0;
+  int32_t last = -1;
+  if (kept <= CAP) {
+    for (int64_t k = 0; k < kept; ++k) {
+      if (!(ws[k] > 0.0f)) continue;
+      c += ws[k];
+      last = ids[k];
+      if (c > target) return last;
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      const float z = x[j] / t;
+      if (!(z >= floor)) continue;
+      const float w = std::exp(z - top);
+      if (!(w > 0.0f)) continue;
+      c += w;
+      last = static_cast<int32_t>(j);
+      if (c > target) return last;
+    }
+  }
+  return last >= 0 ? last : argmax_row(x, n);
+}
+
+ffi::Error DrawF32(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer u, ffi::AnyBuffer t,
+                   ffi::AnyBuffer min_p, ffi::Result<ffi::AnyBuffer> out) {
+  auto xd = x.dimensions();
+  const int64_t V = xd.size() ? xd.back() : 0, rows = V ? x.element_count() / V : 0;
+  for (const ffi::AnyBuffer* b : {&x, &u, &t, &min_p})
+    if (b->element_type() != ffi::F32)
+      return ffi::Error::InvalidArgument("draw_f32: f32 logits, uniforms, temperatures, min-p");
+  if (xd.size() < 1 || out->element_type() != ffi::S32 || u.element_count() != rows ||
+      t.element_count() != rows || min_p.element_count() != rows || out->element_count() != rows)
+    return ffi::Error::InvalidArgument("draw_f32: logits [..., V]; the rest [...]");
+  const float *X = x.typed_data<float>(), *U = u.typed_data<float>(),
+              *Tt = t.typed_data<float>(), *M = min_p.typed_data<float>();
+  int32_t* Y = out->typed_data<int32_t>();
+  parallel_for(pool, rows, [&](int64_t r) { Y[r] = draw_row(X + r * V, V, U[r], Tt[r], M[r]); });
+  return ffi::Error::Success();
+}
 
 // Rows of a table [V, D] (f32, or bf16 widened exactly) at int32 indices as f32 [..., D]:
 // the embedding lookup. XLA:CPU gathers bf16 by converting the whole table to f32 first, and
@@ -1151,6 +1239,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_routed_fp4, RoutedFp4,
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_argmax_f32, ArgmaxF32, AnyArgs<1>().Ret<ffi::AnyBuffer>());
+
+// logits, uniforms, temperatures, min-p → tokens
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ds4jax_draw_f32, DrawF32, AnyArgs<4>().Ret<ffi::AnyBuffer>());
 
 // the attention kernels' nine operands (q, raw, m1, own, m2, comp, pick, ok, sink); the
 // writing one's slot tenth

@@ -210,6 +210,104 @@ def test_argmax_matches_the_twin_on_ties_nans_and_infinities():
     assert "ds4jax_argmax_f32" in jax.jit(argmax).lower(jnp.asarray(x)).as_text()
 
 
+def _drawn_by_definition(x: np.ndarray, t: np.ndarray, m: np.ndarray, u: np.ndarray):
+    """Each row's token by the definition in f64 (temperature, min-p's kept set, the
+    inverted CDF at u), and whether u lands within rounding (1e-5 of the total) of a
+    boundary (1e-6 of the total) or a token within rounding of min-p's floor, where f32
+    sums may choose either."""
+    tokens, unsure = [], []
+    for row, temp, mp, uu in zip(x.astype(np.float64), t, m, u, strict=True):
+        if temp <= 0:
+            tokens.append(int(np.argmax(row)))
+            unsure.append(False)
+            continue
+        z = row / temp
+        floor = z.max() + np.log(mp) if mp > 0 else -np.inf
+        w = np.where(z >= floor, np.exp(z - z.max()), 0.0)
+        ends = np.cumsum(w)
+        target = uu * ends[-1]
+        tokens.append(int(min(np.searchsorted(ends, target, side="right"), np.flatnonzero(w)[-1])))
+        near_floor = mp > 0 and bool(np.any(np.abs(z - floor) < 1e-6 * max(1.0, abs(floor))))
+        unsure.append(bool(np.min(np.abs(ends - target)) < 1e-6 * ends[-1]) or near_floor)
+    return np.array(tokens), np.array(unsure)
+
+
+def test_draw_matches_the_definition_and_the_twin():
+    """The sampled rows of a step under temperature and min-p (the server's default), on
+    a V4-sized vocabulary: peaked rows (a few dozen tokens kept), a flat one (every token
+    kept: past the kernel's kept-token buffer), a greedy one; drawn at 200 keys each. The
+    kernel's token is the definition's wherever rounding cannot decide, and the twin's."""
+    from ds4jax import sampling
+
+    V, draws = 129_280, 200
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((6, V)) * np.array([[3.0], [3.0], [1.0], [0.01], [3.0], [6.0]])
+    x = x.astype(np.float32)
+    t = np.array([1.0, 0.7, 1.5, 1.0, 0.0, 2.0], np.float32)
+    m = np.array([0.05, 0.05, 0.3, 0.05, 0.05, 0.01], np.float32)
+    zeros, ones = jnp.zeros(6, jnp.int32), jnp.ones(6, jnp.float32)
+    args = (jnp.asarray(x), jnp.asarray(t), zeros, ones, jnp.asarray(m))
+
+    def rows(xs, keys, t, k, p, m):
+        return sampling.sample_rows(xs, keys, t, k, p, m)
+
+    kernel = jax.jit(lambda xs, keys, t, k, p, m: rows(xs, keys, t, k, p, m))
+    assert "ds4jax_draw_f32" in kernel.lower(args[0], jax.random.split(jax.random.key(0), 6),
+                                             *args[1:]).as_text()  # fmt: skip
+    with native.disabled():
+        twin = jax.jit(lambda xs, keys, t, k, p, m: rows(xs, keys, t, k, p, m))
+        twin.lower(args[0], jax.random.split(jax.random.key(0), 6), *args[1:]).compile()
+    agree, unsure_n = np.zeros(6, int), np.zeros(6, int)
+    seen = [set() for _ in range(6)]
+    for d in range(draws):
+        keys = jax.random.split(jax.random.key(d), 6)
+        got = np.asarray(kernel(args[0], keys, *args[1:]))
+        want_twin = np.asarray(twin(args[0], keys, *args[1:]))
+        u = np.asarray(sampling.uniforms(keys))
+        want, unsure = _drawn_by_definition(x, t, m, u)
+        np.testing.assert_array_equal(got[~unsure], want[~unsure])
+        agree += got == want_twin
+        unsure_n += unsure
+        for r in range(6):
+            seen[r].add(int(got[r]))
+    # the flat row's tokens are each ~8e-6 of its total: a quarter of its draws land within
+    # 1e-6 of a boundary, where the definition is checked no further; the peaked ones never
+    assert unsure_n[3] <= 0.4 * draws and unsure_n.sum() - unsure_n[3] <= 2
+    # the twin's f32 block sums move a target by up to ~1e-6 of the total: on the flat row
+    # (each token ~8e-6 of it) now and then to the next token, on the peaked ones never
+    assert agree[3] >= 0.9 * draws and all(agree[r] == draws for r in (0, 1, 2, 4, 5))
+    assert seen[4] == {int(np.argmax(x[4]))}  # greedy
+    assert len(seen[3]) > 150  # the flat row: every token kept, draws spread over them
+    assert all(len(s) > 3 for s in seen[:3])
+
+
+def test_draw_without_min_p_keeps_every_token():
+    """The kernel alone, min-p off (every token kept: the kept-token buffer overflows and a
+    second pass finds the token), on a short vocabulary at fixed uniforms, 0 among them."""
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((4, 3001)) * 2).astype(np.float32)
+    u = np.array([0.0, 0.25, 0.9, 0.999], np.float32)
+    t, m = np.array([1.0, 0.5, 3.0, 1.0], np.float32), np.zeros(4, np.float32)
+    got = np.asarray(jax.jit(native.draw)(*(jnp.asarray(a) for a in (x, u, t, m))))
+    want, unsure = _drawn_by_definition(x, t, m, u)
+    assert not unsure.any()
+    np.testing.assert_array_equal(got, want)
+
+
+def test_ranked_rows_leave_the_draw_to_the_twin():
+    """A row asking top-k or top-p sends the whole step to the twin (the kernel does not
+    rank): top-k 1 on a flat row is its argmax every time."""
+    from ds4jax import sampling
+
+    rng = np.random.default_rng(3)
+    x = jnp.asarray((rng.standard_normal((2, 4096)) * 0.01).astype(np.float32))
+    t, k = jnp.ones(2), jnp.array([0, 1], jnp.int32)
+    p, m = jnp.ones(2), jnp.full(2, 0.05)
+    f = jax.jit(sampling.sample_rows)
+    picks = [int(f(x, jax.random.split(jax.random.key(i), 2), t, k, p, m)[1]) for i in range(20)]
+    assert set(picks) == {int(jnp.argmax(x[1]))}
+
+
 def test_on_a_mesh_the_products_are_left_to_xla():
     """An FFI call has no partitioning rule (XLA would gather a sharded weight whole onto
     every device), so with a mesh set the linears and argmax take their twins."""
