@@ -682,15 +682,70 @@ ffi::Error ArgmaxF32(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::An
 }
 
 
+// e^x for x ≤ 0 (a score less the largest), eight at a time: 2^n·p(r) with r = x − n·ln 2 in
+// two parts and Cephes' degree-6 polynomial (within 2 ulp of std::exp), 0 below −87.3, NaN
+// kept. std::exp one score at a time took ~40% of a CSA layer's attention at an 8k context;
+// the draw takes it for a group of tokens holding a kept one.
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(lo, x);  // NaN stays NaN (max_ps returns its second operand)
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e2 = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e2)));
+}
+#endif
+
+// The kept weights of tokens [i, i + 8) of a row (8 or fewer: `n` bounds them) into w;
+// false when none is kept (w untouched).
+inline bool group_weights(const float* x, int64_t i, int64_t n, float t, float top, float floor,
+                          float* w) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (i + 8 <= n) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 z = t == 1.0f ? v : _mm256_div_ps(v, _mm256_set1_ps(t));  // x / 1 is x
+    const __m256 keep = _mm256_cmp_ps(z, _mm256_set1_ps(floor), _CMP_GE_OQ);
+    if (_mm256_movemask_ps(keep) == 0) return false;
+    _mm256_storeu_ps(w, _mm256_and_ps(keep, exp8(_mm256_sub_ps(z, _mm256_set1_ps(top)))));
+    return true;
+  }
+#endif
+  bool any = false;
+  for (int64_t j = 0; j < 8; ++j) {
+    const float z = i + j < n ? x[i + j] / t : -INFINITY;
+    const bool keep = i + j < n && z >= floor;
+    w[j] = keep ? std::exp(z - top) : 0.0f;
+    any |= keep;
+  }
+  return any;
+}
+
+inline float sum8(const float* w) {
+  return ((w[0] + w[1]) + (w[2] + w[3])) + ((w[4] + w[5]) + (w[6] + w[7]));
+}
+
 // One sampled row's token, as `ds4jax.sampling` draws it without ranking (temperature and
 // min-p, the server's default): z = x / t; kept: z ≥ max(z) + log(min_p) (every token when
 // min_p ≤ 0); token i drawn when u · Σ kept exp(z − max) falls in [C(i−1), C(i)) of the
 // running sums, a target rounded up to the end taking the last token of nonzero weight; a
-// row with t ≤ 0 takes its argmax, and so does a row holding a NaN. The twin (`_kept`'s
-// unranked mask, then `draw_rows`) sums in f32 blocks; here the sums are f64 in token order,
-// so the two can differ only where the target lies within rounding of a boundary. exp is
-// taken only for kept tokens (those within log(1/min_p) of the best: a handful) — XLA took
-// it over the whole vocabulary, 5 ms for 8 rows of 129,280 on a decode step (issue 27).
+// row with t ≤ 0 takes its argmax, and so does a row holding a NaN. The sums run over
+// groups of 8 tokens (each group's weights added in f32, the groups in f64), exp taken only
+// in groups holding a kept token — XLA took it over the whole vocabulary, 5 ms for 8 rows
+// of 129,280 on a decode step (issue 27). The twin (`_kept`'s unranked mask, then
+// `draw_rows`) sums in f32 blocks of 1,024, so the two can differ only where the target lies
+// within rounding of a boundary.
 int32_t draw_row(const float* x, int64_t n, float u, float t, float min_p) {
   if (!(t > 0.0f) || n == 0) return argmax_row(x, n);
   bool nan;
@@ -699,51 +754,37 @@ int32_t draw_row(const float* x, int64_t n, float u, float t, float min_p) {
   const float top = mx / t;
   if (nan || !std::isfinite(top)) return argmax_row(x, n);
   const float floor = min_p > 0.0f ? top + std::log(min_p) : -INFINITY;
-  // the kept tokens and their weights; past `CAP` of them, a second pass recomputes them
-  constexpr int64_t CAP = 512;
-  int32_t ids[CAP];
-  float ws[CAP];
-  int64_t kept = 0, i = 0;
+  alignas(32) float w[8];
+  // each group's summed weights (0: none kept), so the search reads them, not exp again
+  thread_local std::vector<float> groups;
+  const int64_t G = (n + 7) / 8;
+  groups.assign(G, 0.0f);
   double total = 0.0;
-  auto weigh = [&](int64_t j) {
-    const float z = x[j] / t;
-    if (!(z >= floor)) return;
-    const float w = std::exp(z - top);
-    total += w;
-    if (kept < CAP) ids[kept] = static_cast<int32_t>(j), ws[kept] = w;
-    ++kept;
-  };
-#if defined(__AVX2__)
-  const __m256 tv = _mm256_set1_ps(t), fv = _mm256_set1_ps(floor);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 z = _mm256_div_ps(_mm256_loadu_ps(x + i), tv);
-    if (_mm256_movemask_ps(_mm256_cmp_ps(z, fv, _CMP_GE_OQ)) == 0) continue;
-    for (int64_t j = i; j < i + 8; ++j) weigh(j);
-  }
-#endif
-  for (; i < n; ++i) weigh(i);
+  for (int64_t g = 0; g < G; ++g)
+    if (group_weights(x, 8 * g, n, t, top, floor, w)) total += groups[g] = sum8(w);
   const double target = static_cast<double>(u) * total;
   double c = 0.0;
-  int32_t last = -1;
-  if (kept <= CAP) {
-    for (int64_t k = 0; k < kept; ++k) {
-      if (!(ws[k] > 0.0f)) continue;
-      c += ws[k];
-      last = ids[k];
-      if (c > target) return last;
-    }
-  } else {
-    for (int64_t j = 0; j < n; ++j) {
-      const float z = x[j] / t;
-      if (!(z >= floor)) continue;
-      const float w = std::exp(z - top);
-      if (!(w > 0.0f)) continue;
-      c += w;
-      last = static_cast<int32_t>(j);
-      if (c > target) return last;
-    }
+  int64_t g = 0, last = -1;  // last: the last group with weight before the target's
+  for (; g < G; ++g) {
+    if (!(groups[g] > 0.0f)) continue;
+    if (c + groups[g] > target) break;
+    c += groups[g];
+    last = g;
   }
-  return last >= 0 ? last : argmax_row(x, n);
+  if (g == G) {  // rounded past the end: the last token of nonzero weight
+    if (last < 0) return argmax_row(x, n);
+    g = last;
+    c = -INFINITY;
+  }
+  group_weights(x, 8 * g, n, t, top, floor, w);
+  int32_t token = -1;
+  for (int64_t j = 0; j < 8; ++j) {
+    if (!(w[j] > 0.0f)) continue;
+    c += w[j];
+    token = static_cast<int32_t>(8 * g + j);
+    if (c > target) break;
+  }
+  return token;  // the target's token, or (rounded past it) its group's last weighted one
 }
 
 ffi::Error DrawF32(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer u, ffi::AnyBuffer t,
@@ -1000,31 +1041,6 @@ inline float dot4(const float* a, const float* b, int64_t n) {
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
-
-// e^x for x ≤ 0 (a score less the largest), eight at a time: 2^n·p(r) with r = x − n·ln 2 in
-// two parts and Cephes' degree-6 polynomial (within 2 ulp of std::exp), 0 below −87.3, NaN
-// kept. std::exp one score at a time took ~40% of a CSA layer's attention at an 8k context.
-#if defined(__AVX2__) && defined(__FMA__)
-inline __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.33654f);
-  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(lo, x);  // NaN stays NaN (max_ps returns its second operand)
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e2 = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e2)));
-}
-#endif
 
 // A head's scores s[n] (n a multiple of 8, padded with −∞) → e = exp(s − m) in place, m the
 // largest of them and the sink's; returns exp(sink − m) + Σ e.
