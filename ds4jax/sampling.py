@@ -199,7 +199,9 @@ def sample_rows(
     parameter is a per-row array. All greedy is an argmax. `ban` [B] (−1: none): a token a
     sampled row may not draw — the distribution renormalized without it, which is what a
     rejected speculative draft leaves (`model.speculative`); a greedy row ignores it (its
-    rejected draft is never its argmax)."""
+    rejected draft is never its argmax). On CPU, a step whose sampled rows ask only
+    temperature and min-p (no top-k, top-p or ban: the server's default) draws in the
+    native kernel (`native.draw`); any other step, or a mesh, takes the jnp path here."""
     logits = logits.astype(jnp.float32)
     greedy = temperature <= 0
 
@@ -218,8 +220,8 @@ def sample_rows(
         return jax.lax.cond(jnp.all(greedy), lambda: best, drawn)
 
     if ban is None and native.active() and native.unpartitioned():
-        # min-p without ranking (the server's default) in the native kernel: exp only for
-        # the tokens min-p keeps (the twin: 5 ms a step for 8 rows on a 2-core AVX2 EPYC)
+        # min-p without ranking in the native kernel: exp only near the tokens min-p keeps
+        # (the twin took it over the vocabulary: 5 ms a step for 8 rows, 2-core AVX2 EPYC)
         unranked = greedy | ((top_k <= 0) & (top_p >= 1.0) & (min_p > 0.0))
         return jax.lax.cond(
             jnp.all(unranked),

@@ -9,10 +9,9 @@ them): `routed` (the routed experts, f32 or FP4; twin: `model.layers._routed`), 
 (every f32 or bf16 linear of up to `GEMV_ROWS` tokens, the head included; twin: XLA's dot
 in `model.quantized.matmul`; `gemv_grouped`, the grouped output projection's, twin: its
 einsum; `gemv_many`, a layer's projections of one input in one call, twin: each
-`linear`), `argmax` (greedy selection; twin: `sampling.argmax`'s reductions), `draw` (a sampled
-row's token under temperature and min-p; twin: `sampling`'s unranked mask and
-`draw_rows`), `attend` (a
-decode step's attention over a layer's key sources in place; twins:
+`linear`), `argmax` (greedy selection; twin: `sampling.argmax`'s reductions), `draw` (a
+sampled row's token under temperature and min-p; twin: `sampling`'s unranked mask and
+`draw_rows`), `attend` (a decode step's attention over a layer's key sources in place; twins:
 `pallas_kernels.sink_attention_reference` and `sparse_attention_reference`) and
 `index_top` (the CSA indexer's scores and top-k picks; twins:
 `pallas_kernels.indexer_scores_reference` and `jax.lax.top_k`) and `top_k` (a prefill
@@ -276,9 +275,10 @@ def draw(logits: jax.Array, u: jax.Array, temperature: jax.Array,
          min_p: jax.Array) -> jax.Array:  # fmt: skip
     """Each f32 row's token [...] (int32) drawn at its uniform `u` as `sampling.sample_rows`
     draws without ranking (temperature and min-p only; no top-k or top-p): a row with
-    temperature ≤ 0 (or holding a NaN) takes its argmax. exp is taken only for the tokens
-    min-p keeps. The twin: `sampling`'s unranked mask and `draw_rows`, whose f32 block sums
-    can round a target at a boundary to the next token where this kernel's f64 sums do not."""
+    temperature ≤ 0 (or holding a NaN) takes its argmax. exp is taken only for groups of 8
+    tokens holding one min-p keeps. The twin: `sampling`'s unranked mask and `draw_rows`; its
+    f32 sums over blocks of 1,024 and this kernel's (f32 within 8 tokens, f64 across) can
+    pick neighbouring tokens where the target lies within rounding of a boundary."""
     out = jax.ShapeDtypeStruct(logits.shape[:-1], jnp.int32)
     f32 = [a.astype(jnp.float32) for a in (u, temperature, min_p)]
     return _ffi("ds4jax_draw_f32", out, vmap_method="expand_dims")(logits, *f32)
