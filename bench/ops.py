@@ -206,11 +206,18 @@ def step_ms(cfg: Any, params: Any, states: list[Any], sizes: tuple[int, ...], st
     return take_turns(runs, steps)
 
 
+#: temperature and min-p of a sampled burst: the server's defaults (`ds4jax serve --min-p`)
+SAMPLED = (1.0, 0.05)
+
+
 def burst_ms(cfg: Any, params: Any, states: list[Any], sizes: tuple[int, ...],
-             bursts: int) -> dict[int, list[float]]:  # fmt: skip
-    """Wall ms per token of `bursts` greedy bursts (`model.batch.burst`, the server's decode
-    while every row only samples: `BURST_STEPS` tokens a row per program) at each batch
-    size, the tokens read back after each, the sizes taking turns (`take_turns`)."""
+             bursts: int, sampled: bool = False) -> dict[int, list[float]]:  # fmt: skip
+    """Wall ms per token of `bursts` bursts (`model.batch.burst`, the server's decode while
+    every row only samples: `BURST_STEPS` tokens a row per program) at each batch size,
+    greedy or `sampled` (`SAMPLED`, each row its own key, as the server's requests sample by
+    default), the tokens read back after each, the sizes taking turns (`take_turns`)."""
+    import jax
+
     from ds4jax.model import batch as batch_ops
 
     K = batch_ops.BURST_STEPS
@@ -218,6 +225,11 @@ def burst_ms(cfg: Any, params: Any, states: list[Any], sizes: tuple[int, ...],
 
     def run(size: int) -> Any:
         _, *args = step_args(size)
+        if sampled:
+            keys = jax.random.key_data(jax.random.split(jax.random.key(size), size))
+            args[0] = np.asarray(keys)  # args: keys, temperature, top-k, top-p, min-p, EOS
+            args[1] = np.full(size, SAMPLED[0], np.float32)
+            args[4] = np.full(size, SAMPLED[1], np.float32)
         allowed = np.full(size, K, np.int32)
 
         def once() -> None:
@@ -261,6 +273,7 @@ def run(quick: bool) -> dict[str, Any]:
     ways = (True, False) if native.active() else (False,)
     timings = step_ms(cfg, params, states, SIZES, 10 if quick else 40, ways)
     per_token = burst_ms(cfg, params, states, SIZES, 4 if quick else 16)
+    sampled = burst_ms(cfg, params, states, SIZES, 4 if quick else 16, sampled=True)
     rows = []
     for size in SIZES:
         row: dict[str, Any] = {"batch": size}
@@ -278,16 +291,24 @@ def run(quick: bool) -> dict[str, Any]:
         ms = statistics.median(per_token[size])
         row.update({"burst_ms_per_token": round(ms, 2), "burst_tok_s": round(size / ms * 1e3, 1),
                     "burst_ms_all": per_token[size]})  # fmt: skip
+        ms = statistics.median(sampled[size])
+        row.update({"sampled_burst_ms_per_token": round(ms, 2),
+                    "sampled_burst_tok_s": round(size / ms * 1e3, 1),
+                    "sampled_burst_ms_all": sampled[size]})  # fmt: skip
         rows.append(row)
     for r in rows:
         r["aggregate_vs_b1"] = round(r["tok_s"] / rows[0]["tok_s"], 2)
         r["burst_aggregate_vs_b1"] = round(r["burst_tok_s"] / rows[0]["burst_tok_s"], 2)
+        r["sampled_burst_aggregate_vs_b1"] = round(
+            r["sampled_burst_tok_s"] / rows[0]["sampled_burst_tok_s"], 2
+        )
         if "twin_tok_s" in r:
             r["twin_aggregate_vs_b1"] = round(r["twin_tok_s"] / rows[0]["twin_tok_s"], 2)
             r["native_speedup"] = round(r["twin_step_ms"] / r["step_ms"], 2)
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "quick": quick,
             "model": name, "prompt_tokens": int(_prompt(0).size), "state_capacity": 4096,
-            "native_kernels": ways[0], "burst_steps": BURST_STEPS, "rows": rows}  # fmt: skip
+            "native_kernels": ways[0], "burst_steps": BURST_STEPS,
+            "sampled": {"temperature": SAMPLED[0], "min_p": SAMPLED[1]}, "rows": rows}  # fmt: skip
 
 
 def main(quick: bool = False) -> dict[str, Any]:
@@ -296,20 +317,24 @@ def main(quick: bool = False) -> dict[str, Any]:
     rep["seconds"] = round(time.perf_counter() - t0, 1)
     print(f"\n{rep['model']}, decode step after a {rep['prompt_tokens']}-token prompt "
           f"(greedy, median of the steps, the sizes taking turns); bursts of "
-          f"{rep['burst_steps']} steps per program as the server decodes")  # fmt: skip
+          f"{rep['burst_steps']} steps per program as the server decodes, greedy and sampled "
+          f"(temperature {SAMPLED[0]}, min-p {SAMPLED[1]}: the server's defaults)")  # fmt: skip
     twin = "twin_ops" in rep["rows"][0]
     print(f"rows: {ROW_PROMPTS} different conversations; native CPU kernels "
           f"{'on, beside the jnp twins (twin_*)' if twin else 'off'}")  # fmt: skip
     print(
         f"{'batch':>5} {'ops':>12} {'ms/step':>8} {'tok/s':>7} {'vs B=1':>7}"
         + f" {'burst ms/tok':>12} {'tok/s':>7} {'vs B=1':>7}"
+        + f" {'sampled':>8} {'tok/s':>7} {'vs B=1':>7}"
         + (f" {'twin ops':>12} {'twin ms':>8} {'vs B=1':>7} {'speedup':>7}" if twin else "")
     )
     for r in rep["rows"]:
         line = (f"{r['batch']:>5} {r['ops']}-{r['ops_most']:<7} {r['step_ms']:>8.1f} "
                 f"{r['tok_s']:>7.1f} {r['aggregate_vs_b1']:>6.2f}x "
                 f"{r['burst_ms_per_token']:>12.2f} {r['burst_tok_s']:>7.1f} "
-                f"{r['burst_aggregate_vs_b1']:>6.2f}x")  # fmt: skip
+                f"{r['burst_aggregate_vs_b1']:>6.2f}x "
+                f"{r['sampled_burst_ms_per_token']:>8.2f} {r['sampled_burst_tok_s']:>7.1f} "
+                f"{r['sampled_burst_aggregate_vs_b1']:>6.2f}x")  # fmt: skip
         if twin:
             line += (f" {r['twin_ops']}-{r['twin_ops_most']:<7} {r['twin_step_ms']:>8.1f} "
                      f"{r['twin_aggregate_vs_b1']:>6.2f}x "

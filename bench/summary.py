@@ -288,9 +288,17 @@ def ops(rep: Row) -> list[Row]:
     at = f"{rep['model']}, greedy, after a {rep['prompt_tokens']}-token prompt"
     out = [ratio("ops", f"aggregate decode tok/s at B={b} / B=1", at, rows[b]["tok_s"],
                  rows[1]["tok_s"], "tok/s") for b in (4, 8) if b in rows]  # fmt: skip
-    return out + [ratio("ops", f"aggregate decode tok/s in bursts at B={b} / B=1", at,
-                        rows[b]["burst_tok_s"], rows[1]["burst_tok_s"], "tok/s")
-                  for b in (4, 8) if b in rows and "burst_tok_s" in rows[b]]  # fmt: skip
+    out += [ratio("ops", f"aggregate decode tok/s in bursts at B={b} / B=1", at,
+                  rows[b]["burst_tok_s"], rows[1]["burst_tok_s"], "tok/s")
+            for b in (4, 8) if b in rows and "burst_tok_s" in rows[b]]  # fmt: skip
+    sampled = rep.get("sampled", {})
+    at_sampled = (f"{rep['model']}, temperature {sampled.get('temperature')}, "
+                  f"min-p {sampled.get('min_p')}, after a {rep['prompt_tokens']}-token "
+                  "prompt")  # fmt: skip
+    return out + [ratio("ops", f"aggregate decode tok/s in sampled bursts at B={b} / B=1",
+                        at_sampled, rows[b]["sampled_burst_tok_s"],
+                        rows[1]["sampled_burst_tok_s"], "tok/s")
+                  for b in (4, 8) if b in rows and "sampled_burst_tok_s" in rows[b]]  # fmt: skip
 
 
 def stall(rep: Row) -> list[Row]:
