@@ -235,7 +235,7 @@ def _drawn_by_definition(x: np.ndarray, t: np.ndarray, m: np.ndarray, u: np.ndar
 def test_draw_matches_the_definition_and_the_twin():
     """The sampled rows of a step under temperature and min-p (the server's default), on
     a V4-sized vocabulary: peaked rows (a few dozen tokens kept), a flat one (every token
-    kept: past the kernel's kept-token buffer), a greedy one; drawn at 200 keys each. The
+    kept: exp in every group of 8), a greedy one; drawn at 200 keys each. The
     kernel's token is the definition's wherever rounding cannot decide, and the twin's."""
     from ds4jax import sampling
 
@@ -282,8 +282,8 @@ def test_draw_matches_the_definition_and_the_twin():
 
 
 def test_draw_without_min_p_keeps_every_token():
-    """The kernel alone, min-p off (every token kept: the kept-token buffer overflows and a
-    second pass finds the token), on a short vocabulary at fixed uniforms, 0 among them."""
+    """The kernel alone, min-p off (every token kept, the last group partly past the row's
+    end: 3,001 tokens), on a short vocabulary at fixed uniforms, 0 among them."""
     rng = np.random.default_rng(9)
     x = (rng.standard_normal((4, 3001)) * 2).astype(np.float32)
     u = np.array([0.0, 0.25, 0.9, 0.999], np.float32)
